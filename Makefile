@@ -1,0 +1,32 @@
+# Quick start: `make demo` runs the main job, `make test` the test suite. Both create or reuse
+# .venv and install torch==2.13.0 (the CPU build) before the package, so no range pulls another torch.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.parallelctx-installed
+PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
+
+.PHONY: demo test test-launchers bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.demo --config configs/demo_3d.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -m "not launchers" -q
+
+test-launchers: $(STAMP)
+	$(BIN)/python -m pytest -m launchers -q
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

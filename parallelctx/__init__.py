@@ -1,0 +1,37 @@
+"""parallelctx: one parallel context for distributed PyTorch training.
+
+``from parallelctx import gpc, ParallelMode`` anywhere in model code; start the job with one of
+the ``launch*`` functions or :func:`spawn`.
+"""
+
+from .config import Config, ConfigError, load_config
+from .context import ModeView, NotLaunchedError, ParallelContext
+from .env import LaunchEnv, LaunchEnvError
+from .launch import SpawnError, launch, launch_from_env, launch_from_torch, spawn
+from .layout import Layout, LayoutError, ParallelMode, plan
+
+__version__ = "0.1.0"
+
+gpc: ParallelContext = ParallelContext()
+"""The global parallel context: the one instance of :class:`ParallelContext`."""
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "LaunchEnv",
+    "LaunchEnvError",
+    "Layout",
+    "LayoutError",
+    "ModeView",
+    "NotLaunchedError",
+    "ParallelContext",
+    "ParallelMode",
+    "SpawnError",
+    "gpc",
+    "launch",
+    "launch_from_env",
+    "launch_from_torch",
+    "load_config",
+    "plan",
+    "spawn",
+]

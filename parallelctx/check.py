@@ -1,0 +1,186 @@
+"""Prove a launched context by real collectives: group membership, ring order and seed streams.
+
+Every rank calls :func:`probe_groups` and :func:`probe_seeds` together. The results come from
+collectives over the process groups torch holds, never from what ``gpc`` stored, so comparing
+them with the pure layout (:func:`verify`) checks the groups that were really made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .context import ParallelContext
+from .layout import Layout, ParallelMode
+
+__all__ = ["probe_groups", "probe_seeds", "verify", "verify_seeds"]
+
+_DRAWS = 4
+
+
+def _world_gather(ctx: ParallelContext, value: Any) -> list[Any]:
+    if ctx.get_world_size(ParallelMode.GLOBAL) == 1:
+        return [value]
+    out: list[Any] = [None] * ctx.get_world_size(ParallelMode.GLOBAL)
+    dist.all_gather_object(out, value, group=ctx.get_cpu_group(ParallelMode.GLOBAL))
+    return out
+
+
+def probe_groups(ctx: ParallelContext) -> dict[str, dict[str, Any]]:
+    """Measure this rank's group of every mode with collectives.
+
+    For each mode this rank is in: ``members``, the global ranks whose one-hot vectors an
+    all-reduce over the mode's group summed (so exactly the group's real members);
+    ``order``, the global ranks all-gathered over the group, in group-rank order; ``cpu_members``
+    likewise over the CPU group; and what ``gpc`` answers (``local_rank``, ``size``, ``next``,
+    ``prev``, ``first``, ``last``) for comparison. Modes of size 1 report this rank alone.
+
+    Returns:
+        ``{mode name: {...}}`` for every mode this rank belongs to.
+    """
+    world = ctx.get_world_size(ParallelMode.GLOBAL)
+    rank = ctx.get_global_rank()
+    out: dict[str, dict[str, Any]] = {}
+    for mode in ParallelMode:
+        if not ctx.is_initialized(mode):
+            continue
+        group = ctx.get_group(mode)
+        cpu_group = ctx.get_cpu_group(mode)
+        size = ctx.get_world_size(mode)
+        if group is None:
+            members, order, cpu_members = [rank], [rank], [rank]
+        else:
+            onehot = torch.zeros(world, dtype=torch.int64, device=ctx.device)
+            onehot[rank] = 1
+            dist.all_reduce(onehot, group=group)
+            members = torch.nonzero(onehot.cpu()).flatten().tolist()
+            if onehot.max().item() != 1:
+                members = [-1]  # a rank counted twice: not a group of distinct members
+            gathered = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(gathered, torch.tensor([rank], device=ctx.device), group=group)
+            order = [int(t.item()) for t in gathered]
+            cpu_onehot = torch.zeros(world, dtype=torch.int64)
+            cpu_onehot[rank] = 1
+            dist.all_reduce(cpu_onehot, group=cpu_group)
+            cpu_members = torch.nonzero(cpu_onehot).flatten().tolist()
+        out[mode.value] = {
+            "members": members,
+            "order": order,
+            "cpu_members": cpu_members,
+            "local_rank": ctx.get_local_rank(mode),
+            "size": size,
+            "next": ctx.get_next_global_rank(mode),
+            "prev": ctx.get_prev_global_rank(mode),
+            "first": ctx.is_first_rank(mode),
+            "last": ctx.is_last_rank(mode),
+        }
+    return out
+
+
+def probe_seeds(ctx: ParallelContext) -> list[dict[str, Any]]:
+    """Draw from every mode's stream (twice, in two ``with`` blocks) and gather the draws.
+
+    Returns:
+        One entry per global rank: ``{"coords": ..., "seeds": {mode: seed},
+        "draws": {mode: [first 4 draws, next 4 draws]}, "default": 4 default-stream draws}``.
+    """
+    draws: dict[str, list[list[float]]] = {}
+    for mode in ParallelMode:
+        with ctx.seed(mode):
+            first = torch.rand(_DRAWS).tolist()
+        with ctx.seed(mode):
+            second = torch.rand(_DRAWS).tolist()
+        draws[mode.value] = [first, second]
+    mine = {
+        "rank": ctx.get_global_rank(),
+        "coords": ctx.layout.coords(ctx.get_global_rank()),
+        "seeds": {mode.value: ctx.get_seed(mode) for mode in ParallelMode},
+        "draws": draws,
+    }
+    return _world_gather(ctx, mine)
+
+
+def verify(layout: Layout, rank: int, probed: dict[str, dict[str, Any]]) -> list[str]:
+    """Compare one rank's :func:`probe_groups` result with the pure layout.
+
+    Returns:
+        A list of mismatches, empty when every group is right.
+    """
+    errors: list[str] = []
+    for mode in ParallelMode:
+        expected = layout.group_of(mode, rank)
+        got = probed.get(mode.value)
+        if not expected:
+            if got is not None:
+                errors.append(f"{mode.value}: rank {rank} should be in no group, has {got['members']}")
+            continue
+        if got is None:
+            errors.append(f"{mode.value}: rank {rank} has no group, expected {expected}")
+            continue
+        local = expected.index(rank)
+        want = {
+            "members": expected,
+            "order": expected,
+            "cpu_members": expected,
+            "local_rank": local,
+            "size": len(expected),
+            "next": expected[(local + 1) % len(expected)],
+            "prev": expected[(local - 1) % len(expected)],
+            "first": local == 0,
+            "last": local == len(expected) - 1,
+        }
+        for key, value in want.items():
+            if got[key] != value:
+                errors.append(f"{mode.value}.{key} on rank {rank}: got {got[key]}, expected {value}")
+    return errors
+
+
+def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
+    """Check the seed properties of design.md §5 on draws gathered from every rank.
+
+    * the default (GLOBAL) stream is the same on the ranks of a tensor group;
+    * the TENSOR stream differs within a tensor group and agrees between ranks that differ
+      only in their data coordinate;
+    * the DATA stream agrees within a data group and differs between pipeline stages;
+    * no two modes start from the same seed on one rank;
+    * each stream continues where it stopped and matches a generator seeded with its seed.
+
+    Returns:
+        A list of violations, empty when all hold.
+    """
+    errors: list[str] = []
+    by_rank = {entry["rank"]: entry for entry in gathered}
+
+    def first(rank: int, mode: ParallelMode) -> list[float]:
+        return by_rank[rank]["draws"][mode.value][0]
+
+    for group in layout.groups(ParallelMode.TENSOR):
+        defaults = {tuple(first(r, ParallelMode.GLOBAL)) for r in group}
+        if len(defaults) != 1:
+            errors.append(f"default stream differs within tensor group {group}")
+        tensor = [tuple(first(r, ParallelMode.TENSOR)) for r in group]
+        if len(set(tensor)) != len(group):
+            errors.append(f"tensor stream repeats within tensor group {group}")
+    for group in layout.groups(ParallelMode.DATA):
+        if len({tuple(first(r, ParallelMode.TENSOR)) for r in group}) != 1:
+            errors.append(f"tensor stream differs between data replicas {group}")
+        if len({tuple(first(r, ParallelMode.DATA)) for r in group}) != 1:
+            errors.append(f"data stream differs within data group {group}")
+    for group in layout.groups(ParallelMode.PIPELINE):
+        if len(group) > 1 and len({tuple(first(r, ParallelMode.DATA)) for r in group}) != len(group):
+            errors.append(f"data stream repeats across the pipeline stages {group}")
+    for rank, entry in by_rank.items():
+        seeds = list(entry["seeds"].values())
+        if len(set(seeds)) != len(seeds):
+            errors.append(f"rank {rank}: two modes share a seed: {entry['seeds']}")
+        for mode in ParallelMode:
+            if mode is ParallelMode.GLOBAL:
+                continue  # the default stream also served the draws of the other probes
+            gen = torch.Generator().manual_seed(entry["seeds"][mode.value])
+            expected = torch.rand(2 * _DRAWS, generator=gen).tolist()
+            got = entry["draws"][mode.value][0] + entry["draws"][mode.value][1]
+            if got != expected:
+                errors.append(f"rank {rank}: {mode.value} stream does not continue from its seed")
+    return errors

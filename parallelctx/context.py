@@ -1,0 +1,618 @@
+"""The parallel context: the state behind ``gpc`` and every query model code makes.
+
+Queries answer from plain dicts and attributes filled once at launch, so a call such as
+``gpc.get_local_rank(ParallelMode.TENSOR)`` never calls into torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, load_config
+from .groups import create_groups
+from .layout import Layout, LayoutError, ParallelMode, plan
+from .seed import RNGStreams, mode_seed
+
+__all__ = ["ModeView", "NotLaunchedError", "ParallelContext"]
+
+logger = logging.getLogger("parallelctx")
+
+_LAUNCH_HINT = (
+    "call parallelctx.launch_from_torch(config) (or launch, launch_from_env, launch_from_slurm, "
+    "launch_from_openmpi, spawn) first"
+)
+
+
+class NotLaunchedError(RuntimeError):
+    """A query was made before the context was launched, or after ``destroy()``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModeView:
+    """This rank's place in one mode, e.g. ``gpc.tensor``.
+
+    ``rank`` is the local rank in the mode, ``size`` the group size, ``ranks`` the ascending
+    global ranks of the group, ``group``/``cpu_group`` the process groups (None for size 1),
+    ``next_rank``/``prev_rank`` the global ranks after and before this one in ring order.
+    """
+
+    mode: ParallelMode
+    rank: int
+    size: int
+    ranks: tuple[int, ...]
+    group: Any
+    cpu_group: Any
+    next_rank: int
+    prev_rank: int
+
+    @property
+    def is_first(self) -> bool:
+        """True on the group's first rank."""
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        """True on the group's last rank."""
+        return self.rank == self.size - 1
+
+
+class _Unlaunched:
+    """Stands in for a :class:`ModeView` before launch; every attribute raises."""
+
+    __slots__ = ("_name",)
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        raise NotLaunchedError(f"gpc.{self._name}.{attr} is not available yet: {_LAUNCH_HINT}")
+
+    def __repr__(self) -> str:
+        return f"<gpc.{self._name}: not launched>"
+
+
+# Attribute name of each mode's view on the context: gpc.tensor, gpc.world, ...
+VIEW_NAMES: dict[ParallelMode, str] = {
+    mode: ("world" if mode is ParallelMode.GLOBAL else mode.value) for mode in ParallelMode
+}
+
+
+class ParallelContext:
+    """The parallel context of this process. Use the one instance, ``parallelctx.gpc``.
+
+    Lifecycle (what the ``launch*`` functions call, in this order): :meth:`load_config`,
+    :meth:`set_device`, :meth:`init_global_dist`, :meth:`init_parallel_groups`,
+    :meth:`detect_num_processes_on_current_node`, :meth:`set_seed`; :meth:`destroy` undoes all.
+    """
+
+    # Readable views, one per mode, set at launch (declared for type checkers).
+    world: ModeView
+    tensor: ModeView
+    pipeline: ModeView
+    data: ModeView
+    context: ModeView
+    model: ModeView
+    data_context: ModeView
+    embedding: ModeView
+    expert: ModeView
+    expert_tensor: ModeView
+    expert_data: ModeView
+    expert_tensor_and_expert: ModeView
+    expert_model: ModeView
+
+    def __init__(self) -> None:
+        self._reset()
+
+    # ------------------------------------------------------------------ state
+    def _reset(self) -> None:
+        self._config: Config | None = None
+        self._layout: Layout | None = None
+        self._global_rank = -1
+        self._world_size = 0
+        self._local_rank: int | None = None
+        self._backend: str | None = None
+        self._timeout: timedelta | None = None
+        self._owns_default_group = False
+        self._local_ranks: dict[ParallelMode, int] = {}
+        self._world_sizes: dict[ParallelMode, int] = {}
+        self._groups: dict[ParallelMode, Any] = {}
+        self._cpu_groups: dict[ParallelMode, Any] = {}
+        self._views: dict[ParallelMode, ModeView] = {}
+        self._group_calls = 0
+        self._hostnames: tuple[str, ...] = ()
+        self._streams: RNGStreams | None = None
+        self._device = torch.device("cpu")
+        self._device_mesh: Any = None
+        for mode, name in VIEW_NAMES.items():
+            setattr(self, name, _Unlaunched(name))
+
+    def _not_launched(self, what: str) -> NotLaunchedError:
+        return NotLaunchedError(f"{what} is not available yet: {_LAUNCH_HINT}")
+
+    def _bad_mode(self, mode: Any, what: str) -> Exception:
+        if not self._views and self._layout is None:
+            return self._not_launched(what)
+        parsed = ParallelMode.parse(mode)  # raises for an unknown mode
+        if self._layout is not None and parsed not in self._views and self._views:
+            return NotLaunchedError(
+                f"global rank {self._global_rank} belongs to no {parsed.value} group "
+                f"(only the first and last of {self._layout.pipeline} pipeline stages do)"
+            )
+        return self._not_launched(what)
+
+    # ------------------------------------------------------------------ lifecycle
+    def load_config(self, config: Config | Mapping[str, Any] | str | Path | None) -> Config:
+        """Validate and store the config (a Config, a dict, a file path, or None).
+
+        Returns:
+            The stored :class:`Config`.
+
+        Raises:
+            ConfigError, pydantic.ValidationError: see :func:`parallelctx.config.load_config`.
+        """
+        self._config = load_config(config)
+        return self._config
+
+    @property
+    def config(self) -> Config:
+        """The validated config. Raises NotLaunchedError before :meth:`load_config`."""
+        if self._config is None:
+            raise self._not_launched("gpc.config")
+        return self._config
+
+    def init_global_dist(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str = "auto",
+        host: str | None = "127.0.0.1",
+        port: int | None = None,
+        timeout: timedelta | None = None,
+        init_method: str | None = None,
+    ) -> None:
+        """Initialise (or adopt) the default process group.
+
+        ``backend="auto"`` picks nccl where CUDA is available, else gloo. Ranks meet at
+        ``init_method`` when given (``tcp://``, ``env://``, ``file://``), else at
+        ``tcp://host:port``; a world of one needs neither. If torch.distributed is already
+        initialised with the same rank and world size, that group is adopted and left alone by
+        :meth:`destroy`.
+
+        Raises:
+            ValueError: a bad rank, world size, backend or port (the message names the value).
+            RuntimeError: torch.distributed is initialised with another rank or world size, or a
+                peer does not arrive within ``timeout``.
+        """
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+        backend = resolve_backend(backend)
+        timeout = timeout or (self._config.dist.timeout if self._config else timedelta(minutes=30))
+        if dist.is_initialized():
+            if dist.get_rank() != rank or dist.get_world_size() != world_size:
+                raise RuntimeError(
+                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()}, not rank {rank} of {world_size}; call "
+                    "torch.distributed.destroy_process_group() or launch with matching values"
+                )
+            self._owns_default_group = False
+            backend = dist.get_backend()
+        else:
+            kwargs: dict[str, Any] = {}
+            if world_size == 1 and init_method is None:
+                kwargs["store"] = dist.HashStore()
+            elif init_method is not None:
+                kwargs["init_method"] = init_method
+            else:
+                if port is None or not 0 < int(port) < 65536:
+                    raise ValueError(f"port={port!r} must be an integer in 1..65535 for a world of {world_size}")
+                if not host:
+                    raise ValueError("host must name the rank-0 machine (e.g. '127.0.0.1')")
+                h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+                kwargs["init_method"] = f"tcp://{h}:{int(port)}"
+            dist.init_process_group(
+                backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+            )
+            self._owns_default_group = True
+        self._global_rank = rank
+        self._world_size = world_size
+        self._backend = backend
+        self._timeout = timeout
+        self._local_ranks[ParallelMode.GLOBAL] = rank
+        self._world_sizes[ParallelMode.GLOBAL] = world_size
+
+    def init_parallel_groups(self) -> Layout:
+        """Build the layout from the config's sizes and create this rank's process groups.
+
+        Returns:
+            The :class:`Layout`.
+
+        Raises:
+            NotLaunchedError: :meth:`init_global_dist` has not run.
+            LayoutError: the configured sizes do not fit the world size.
+        """
+        if self._world_size == 0:
+            raise self._not_launched("init_parallel_groups()")
+        par = self.config.parallel
+        layout = plan(
+            self._world_size,
+            tensor=par.tensor.size,
+            pipeline=par.pipeline.size,
+            context=par.context.size,
+            expert=par.expert.size,
+            expert_tensor=par.expert_tensor,
+            order=par.order,
+        )
+        if par.data is not None and par.data != layout.data:
+            raise LayoutError(
+                f"parallel.data={par.data} but world_size={self._world_size} / (tensor x pipeline x "
+                f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
+            )
+        cpu_backend = None if self._backend == "gloo" else "gloo"
+        timeout = self._timeout or self.config.dist.timeout
+        groups, calls = create_groups(layout, self._global_rank, timeout, cpu_backend)
+        self._layout = layout
+        self._group_calls = calls
+        for mode, g in groups.items():
+            local = g.ranks.index(self._global_rank)
+            size = len(g.ranks)
+            view = ModeView(
+                mode=mode,
+                rank=local,
+                size=size,
+                ranks=g.ranks,
+                group=g.group,
+                cpu_group=g.cpu_group,
+                next_rank=g.ranks[(local + 1) % size],
+                prev_rank=g.ranks[(local - 1) % size],
+            )
+            self._views[mode] = view
+            self._local_ranks[mode] = local
+            self._world_sizes[mode] = size
+            self._groups[mode] = g.group
+            self._cpu_groups[mode] = g.cpu_group
+            setattr(self, VIEW_NAMES[mode], view)
+        return layout
+
+    def set_device(self, local_rank: int | None = None) -> torch.device:
+        """Pick this process's device: ``cuda:(local_rank % device_count)`` where CUDA is
+        available, else the CPU. ``local_rank`` defaults to the launcher's local rank.
+
+        Returns:
+            The chosen :class:`torch.device`.
+
+        Raises:
+            ValueError: CUDA is available but no local rank is known.
+        """
+        if local_rank is not None:
+            self._local_rank = local_rank
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            if self._local_rank is None:
+                raise ValueError(
+                    "set_device needs the launcher's local rank (the global rank would pick the "
+                    "wrong GPU on every node but the first); pass local_rank"
+                )
+            index = self._local_rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self._device = torch.device("cuda", index)
+        else:
+            self._device = torch.device("cpu")
+        return self._device
+
+    def detect_num_processes_on_current_node(self) -> int:
+        """Count the ranks that share this rank's host name (one all-gather over the CPU group).
+
+        Also fills :attr:`num_nodes`, :attr:`node_rank` and, when the launcher gave none,
+        the local rank.
+
+        Returns:
+            The number of processes on this node.
+
+        Raises:
+            NotLaunchedError: before :meth:`init_parallel_groups`.
+            RuntimeError: a peer does not answer within the timeout.
+        """
+        if ParallelMode.GLOBAL not in self._views:
+            raise self._not_launched("detect_num_processes_on_current_node()")
+        host = socket.gethostname()
+        if self._world_size == 1:
+            names = [host]
+        else:
+            names = [""] * self._world_size
+            dist.all_gather_object(names, host, group=self._cpu_groups[ParallelMode.GLOBAL])
+        self._hostnames = tuple(names)
+        same = [r for r, name in enumerate(names) if name == host]
+        if self._local_rank is None:
+            self._local_rank = same.index(self._global_rank)
+        return len(same)
+
+    def set_seed(self, seed: int | None = None) -> None:
+        """Seed Python, numpy and torch and register one RNG stream per mode.
+
+        ``seed`` defaults to the config's. The per-mode formula is in :mod:`parallelctx.seed`.
+
+        Raises:
+            NotLaunchedError: before :meth:`init_parallel_groups`.
+            ValueError: ``seed`` outside ``[0, 2**32)``.
+        """
+        if self._layout is None:
+            raise self._not_launched("set_seed()")
+        base = self.config.seed if seed is None else seed
+        if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base < 2**32:
+            raise ValueError(f"seed={base!r} must be an integer in [0, 2**32)")
+        seeds = {
+            mode: mode_seed(self._layout, self._global_rank, mode, base) for mode in ParallelMode
+        }
+        self._streams = RNGStreams(seeds, cuda=self._device.type == "cuda")
+
+    def destroy(self) -> None:
+        """Tear down every group parallelctx made (and the default group when it made that),
+        and reset every cached rank, size, seed and the config. ``launch`` works again after.
+        Safe to call twice or before launch."""
+        try:
+            if dist.is_initialized():
+                if self._owns_default_group:
+                    dist.destroy_process_group()
+                else:
+                    seen: set[int] = set()
+                    for g in list(self._groups.values()) + list(self._cpu_groups.values()):
+                        if g is not None and g is not dist.group.WORLD and id(g) not in seen:
+                            seen.add(id(g))
+                            dist.destroy_process_group(g)
+        finally:
+            self._reset()
+
+    # ------------------------------------------------------------------ queries (hot path)
+    def get_global_rank(self) -> int:
+        """Return this process's global rank. Raises NotLaunchedError before launch."""
+        if self._global_rank < 0:
+            raise self._not_launched("get_global_rank()")
+        return self._global_rank
+
+    def get_local_rank(self, mode: ParallelMode | str) -> int:
+        """Return this rank's index in its group of ``mode`` (0 for a mode of size 1).
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        try:
+            return self._local_ranks[mode]
+        except KeyError:
+            raise self._bad_mode(mode, "get_local_rank()") from None
+
+    def get_world_size(self, mode: ParallelMode | str) -> int:
+        """Return the size of this rank's group of ``mode`` (1 for an unused axis).
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        try:
+            return self._world_sizes[mode]
+        except KeyError:
+            raise self._bad_mode(mode, "get_world_size()") from None
+
+    def get_group(self, mode: ParallelMode | str) -> Any:
+        """Return this rank's process group of ``mode``; None for a mode of size 1.
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        try:
+            return self._groups[mode]
+        except KeyError:
+            raise self._bad_mode(mode, "get_group()") from None
+
+    def get_cpu_group(self, mode: ParallelMode | str) -> Any:
+        """Return the CPU (gloo) group beside ``mode``'s group; the group itself with gloo,
+        None for a mode of size 1.
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        try:
+            return self._cpu_groups[mode]
+        except KeyError:
+            raise self._bad_mode(mode, "get_cpu_group()") from None
+
+    def _view(self, mode: ParallelMode | str, what: str) -> ModeView:
+        try:
+            return self._views[mode]
+        except KeyError:
+            raise self._bad_mode(mode, what) from None
+
+    def get_ranks_in_group(self, mode: ParallelMode | str) -> list[int]:
+        """Return the ascending global ranks of this rank's group of ``mode`` (a new list).
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        return list(self._view(mode, "get_ranks_in_group()").ranks)
+
+    def is_initialized(self, mode: ParallelMode | str) -> bool:
+        """Return True when this rank has a (possibly size-1) group of ``mode``.
+
+        Raises:
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        if mode in self._views:
+            return True
+        if mode == ParallelMode.GLOBAL:
+            return self._global_rank >= 0
+        ParallelMode.parse(mode)
+        return False
+
+    def is_first_rank(self, mode: ParallelMode | str) -> bool:
+        """Return True when this rank is first (local rank 0) in its group of ``mode``."""
+        return self._view(mode, "is_first_rank()").rank == 0
+
+    def is_last_rank(self, mode: ParallelMode | str) -> bool:
+        """Return True when this rank is last in its group of ``mode``."""
+        view = self._view(mode, "is_last_rank()")
+        return view.rank == view.size - 1
+
+    def is_pipeline_first_stage(self) -> bool:
+        """Return True on the first pipeline stage."""
+        return self._view(ParallelMode.PIPELINE, "is_pipeline_first_stage()").rank == 0
+
+    def is_pipeline_last_stage(self) -> bool:
+        """Return True on the last pipeline stage."""
+        view = self._view(ParallelMode.PIPELINE, "is_pipeline_last_stage()")
+        return view.rank == view.size - 1
+
+    def get_next_global_rank(self, mode: ParallelMode | str) -> int:
+        """Return the global rank after this one in its group of ``mode``, wrapping around."""
+        return self._view(mode, "get_next_global_rank()").next_rank
+
+    def get_prev_global_rank(self, mode: ParallelMode | str) -> int:
+        """Return the global rank before this one in its group of ``mode``, wrapping around."""
+        return self._view(mode, "get_prev_global_rank()").prev_rank
+
+    def is_rank_for_log(self) -> bool:
+        """Return True on the one rank that logs: first in its tensor, context and data groups,
+        on the last pipeline stage (where the loss is)."""
+        return (
+            self.is_first_rank(ParallelMode.TENSOR)
+            and self.is_first_rank(ParallelMode.CONTEXT)
+            and self.is_first_rank(ParallelMode.DATA)
+            and self.is_pipeline_last_stage()
+        )
+
+    # ------------------------------------------------------------------ node, device, seeds
+    @property
+    def num_processes_on_current_node(self) -> int:
+        """Ranks on this rank's host. Raises NotLaunchedError before detection."""
+        if not self._hostnames:
+            raise self._not_launched("gpc.num_processes_on_current_node")
+        host = self._hostnames[self._global_rank]
+        return sum(1 for name in self._hostnames if name == host)
+
+    @property
+    def num_nodes(self) -> int:
+        """Distinct hosts in the job. Raises NotLaunchedError before detection."""
+        if not self._hostnames:
+            raise self._not_launched("gpc.num_nodes")
+        return len(set(self._hostnames))
+
+    @property
+    def node_rank(self) -> int:
+        """Index of this host among the job's hosts, ordered by their lowest global rank."""
+        if not self._hostnames:
+            raise self._not_launched("gpc.node_rank")
+        order = list(dict.fromkeys(self._hostnames))
+        return order.index(self._hostnames[self._global_rank])
+
+    @property
+    def hostnames(self) -> tuple[str, ...]:
+        """The host name of every global rank, in rank order."""
+        if not self._hostnames:
+            raise self._not_launched("gpc.hostnames")
+        return self._hostnames
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (the launcher's, else derived from host names)."""
+        if self._local_rank is None:
+            raise self._not_launched("gpc.local_rank")
+        return self._local_rank
+
+    @property
+    def device(self) -> torch.device:
+        """The device :meth:`set_device` picked (the CPU until then)."""
+        return self._device
+
+    @property
+    def backend(self) -> str:
+        """The default group's backend, e.g. ``"gloo"`` or ``"nccl"``."""
+        if self._backend is None:
+            raise self._not_launched("gpc.backend")
+        return self._backend
+
+    @property
+    def layout(self) -> Layout:
+        """The rank :class:`Layout` of this world."""
+        if self._layout is None:
+            raise self._not_launched("gpc.layout")
+        return self._layout
+
+    @property
+    def group_creations(self) -> int:
+        """How many ``new_group`` calls this rank made in :meth:`init_parallel_groups`."""
+        return self._group_calls
+
+    @property
+    def device_mesh(self) -> Any:
+        """A ``torch.distributed.device_mesh.DeviceMesh`` over the enabled dense axes, built
+        once from the process groups parallelctx already made (see :mod:`parallelctx.mesh`).
+
+        Raises:
+            NotLaunchedError: before launch.
+        """
+        if self._layout is None:
+            raise self._not_launched("gpc.device_mesh")
+        if self._device_mesh is None:
+            from .mesh import build_device_mesh
+
+            self._device_mesh = build_device_mesh(self)
+        return self._device_mesh
+
+    def get_seed(self, mode: ParallelMode | str) -> int:
+        """Return the seed of ``mode``'s RNG stream on this rank.
+
+        Raises:
+            NotLaunchedError: before :meth:`set_seed`.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        if self._streams is None:
+            raise self._not_launched("get_seed()")
+        return self._streams.seeds[ParallelMode.parse(mode)]
+
+    @contextlib.contextmanager
+    def seed(self, mode: ParallelMode | str) -> Iterator[None]:
+        """``with gpc.seed(mode):`` runs the body on ``mode``'s RNG stream (CPU and CUDA
+        generators) and switches back after; the stream resumes where it stopped.
+
+        Raises:
+            NotLaunchedError: before :meth:`set_seed`.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        if self._streams is None:
+            raise self._not_launched("gpc.seed()")
+        with self._streams.fork(ParallelMode.parse(mode)):
+            yield
+
+    def summary(self) -> str:
+        """Return the one-line launch summary."""
+        return (
+            f"parallelctx: {self.layout.describe()} backend={self._backend} "
+            f"nodes={self.num_nodes} procs/node={self.num_processes_on_current_node} "
+            f"seed={self.config.seed} groups made on this rank={self._group_calls}"
+        )
+
+
+def resolve_backend(backend: str | None) -> str:
+    """Return the backend to use: ``"auto"`` (or None) means nccl with CUDA, else gloo.
+
+    Raises:
+        ValueError: an unknown backend, or nccl without CUDA.
+    """
+    if backend in (None, "auto"):
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'nccl' or 'gloo'")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo' or 'auto'")
+    return backend

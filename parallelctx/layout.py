@@ -1,0 +1,477 @@
+"""Pure rank layout maths: which global rank sits in which group of each parallel mode.
+
+Nothing here imports torch. A :class:`Layout` is computed from the world size, the sizes of
+the parallel axes and an *order string* that names the axes from fastest-varying (neighbouring
+ranks) to slowest, as Megatron-LM does. For the default order ``"tp-cp-ep-dp-pp"`` the dense
+world is ``arange(W).reshape(P, D, C, T)``.
+
+Two grids share the world:
+
+* the **dense grid** with axes ``tp`` (tensor), ``cp`` (context), ``dp`` (data) and ``pp``
+  (pipeline); ``ep`` has size 1 in it;
+* the **expert grid** with axes ``tp`` standing for the expert-tensor size, ``ep`` (expert),
+  ``dp`` standing for the expert-data size and the same ``pp``; ``cp`` has size 1 in it.
+
+Both grids use the same order string, and their pipeline groups must coincide (Megatron-core's
+rule), so a pipeline stage holds the same ranks in both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from typing import Iterable
+
+import numpy as np
+
+__all__ = [
+    "AXES",
+    "DEFAULT_ORDER",
+    "Layout",
+    "LayoutError",
+    "ParallelMode",
+    "plan",
+]
+
+AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+"""Every token an order string may name."""
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+
+_AXIS_NAMES = {
+    "tp": "tensor",
+    "cp": "context",
+    "ep": "expert",
+    "dp": "data",
+    "pp": "pipeline",
+}
+
+
+class LayoutError(ValueError):
+    """A layout that cannot be built: bad sizes, a bad order string or an unknown mode."""
+
+
+class ParallelMode(str, Enum):
+    """The parallel modes. A plain string such as ``"tensor"`` is accepted wherever a mode is."""
+
+    GLOBAL = "global"
+    TENSOR = "tensor"
+    PIPELINE = "pipeline"
+    DATA = "data"
+    CONTEXT = "context"
+    MODEL = "model"
+    DATA_CONTEXT = "data_context"
+    EMBEDDING = "embedding"
+    EXPERT = "expert"
+    EXPERT_TENSOR = "expert_tensor"
+    EXPERT_DATA = "expert_data"
+    EXPERT_TENSOR_AND_EXPERT = "expert_tensor_and_expert"
+    EXPERT_MODEL = "expert_model"
+
+    # Hash and print like the plain string, so dict lookups by "tensor" find ParallelMode.TENSOR.
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, mode: "ParallelMode | str") -> "ParallelMode":
+        """Return the :class:`ParallelMode` for ``mode`` (a member or its lower-case name).
+
+        Raises:
+            LayoutError: ``mode`` names no mode; the message lists the valid names.
+        """
+        try:
+            return cls(mode)
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise LayoutError(f"unknown parallel mode {mode!r}; valid modes: {valid}") from None
+
+
+# Which grid and which axes each lattice mode spans. EMBEDDING is not a lattice: handled apart.
+_DENSE, _EXPERT = "dense", "expert"
+_MODE_AXES: dict[ParallelMode, tuple[str, tuple[str, ...]]] = {
+    ParallelMode.GLOBAL: (_DENSE, ("tp", "cp", "dp", "pp")),
+    ParallelMode.TENSOR: (_DENSE, ("tp",)),
+    ParallelMode.PIPELINE: (_DENSE, ("pp",)),
+    ParallelMode.DATA: (_DENSE, ("dp",)),
+    ParallelMode.CONTEXT: (_DENSE, ("cp",)),
+    ParallelMode.MODEL: (_DENSE, ("tp", "pp")),
+    ParallelMode.DATA_CONTEXT: (_DENSE, ("dp", "cp")),
+    ParallelMode.EXPERT: (_EXPERT, ("ep",)),
+    ParallelMode.EXPERT_TENSOR: (_EXPERT, ("tp",)),
+    ParallelMode.EXPERT_DATA: (_EXPERT, ("dp",)),
+    ParallelMode.EXPERT_TENSOR_AND_EXPERT: (_EXPERT, ("tp", "ep")),
+    ParallelMode.EXPERT_MODEL: (_EXPERT, ("tp", "ep", "pp")),
+}
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    """Return the tokens of an order string, fastest-varying first.
+
+    Raises:
+        LayoutError: an unknown or repeated token, or an empty string.
+    """
+    if not isinstance(order, str) or not order.strip():
+        raise LayoutError(f"order={order!r} must be a string such as {DEFAULT_ORDER!r}")
+    tokens = tuple(t.strip().lower() for t in order.split("-"))
+    for token in tokens:
+        if token not in AXES:
+            raise LayoutError(
+                f"order={order!r} has unknown token {token!r}; valid tokens: {', '.join(AXES)}"
+            )
+    repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+    if repeated:
+        raise LayoutError(f"order={order!r} repeats {', '.join(repeated)}; name each axis once")
+    return tokens
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """One n-d grid over the world: axis sizes and strides, in order-string order."""
+
+    tokens: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @cached_property
+    def strides(self) -> tuple[int, ...]:
+        out, stride = [], 1
+        for size in self.sizes:
+            out.append(stride)
+            stride *= size
+        return tuple(out)
+
+    def size_of(self, token: str) -> int:
+        return self.sizes[self.tokens.index(token)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return {t: (rank // s) % n for t, s, n in zip(self.tokens, self.strides, self.sizes)}
+
+    def signature(self, axes: Iterable[str]) -> tuple[tuple[int, int], ...]:
+        """(stride, size) of the spanned axes of size > 1, merging axes that are contiguous.
+
+        Two lattice modes partition the world identically exactly when their signatures match.
+        """
+        spans = sorted(
+            (self.strides[i], self.sizes[i])
+            for i, t in enumerate(self.tokens)
+            if t in axes and self.sizes[i] > 1
+        )
+        merged: list[tuple[int, int]] = []
+        for stride, size in spans:
+            if merged and merged[-1][0] * merged[-1][1] == stride:
+                merged[-1] = (merged[-1][0], merged[-1][1] * size)
+            else:
+                merged.append((stride, size))
+        return tuple(merged)
+
+    def group_array(self, axes: Iterable[str]) -> np.ndarray:
+        """Every group spanning ``axes``: an array (n_groups, group_size), rows ascending."""
+        axes = set(axes)
+        world = int(np.prod(self.sizes))
+        # C order wants the slowest axis first.
+        cube = np.arange(world, dtype=np.int64).reshape(tuple(reversed(self.sizes)))
+        n = len(self.tokens)
+        slow_first = [self.tokens[n - 1 - i] for i in range(n)]
+        outer = [i for i, t in enumerate(slow_first) if t not in axes]
+        inner = [i for i, t in enumerate(slow_first) if t in axes]
+        group_size = int(np.prod([self.size_of(slow_first[i]) for i in inner], dtype=np.int64))
+        return cube.transpose(outer + inner).reshape(-1, group_size)
+
+    def group_of(self, axes: Iterable[str], rank: int) -> np.ndarray:
+        """The ascending members of the group spanning ``axes`` that holds ``rank``."""
+        members = np.zeros(1, dtype=np.int64)
+        base = rank
+        # Strides grow along the order, so each new axis goes outermost and the result stays
+        # ascending without a sort.
+        for token, stride, size in zip(self.tokens, self.strides, self.sizes):
+            if token in axes and size > 1:
+                base -= ((rank // stride) % size) * stride
+                steps = np.arange(size, dtype=np.int64) * stride
+                members = (steps[:, None] + members[None, :]).ravel()
+        return members + base
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The rank layout of one world: sizes, order string, and the groups of every mode.
+
+    Build it with :func:`plan`, which validates the sizes. Members of every group are listed in
+    ascending global rank; a rank's local rank in a mode is its index in that list.
+    """
+
+    world_size: int
+    tensor: int = 1
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+    expert_tensor: int = 1
+    order: str = DEFAULT_ORDER
+    _dense: _Grid = field(init=False, repr=False, compare=False)
+    _expert: _Grid = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tokens = list(parse_order(self.order))
+        for token in AXES:
+            if token not in tokens:
+                tokens.append(token)
+        dense = {"tp": self.tensor, "cp": self.context, "ep": 1, "dp": self.data, "pp": self.pipeline}
+        expert = {
+            "tp": self.expert_tensor,
+            "cp": 1,
+            "ep": self.expert,
+            "dp": self.expert_data,
+            "pp": self.pipeline,
+        }
+        object.__setattr__(self, "_dense", _Grid(tuple(tokens), tuple(dense[t] for t in tokens)))
+        object.__setattr__(self, "_expert", _Grid(tuple(tokens), tuple(expert[t] for t in tokens)))
+
+    # ----------------------------------------------------------------------------- sizes
+    @property
+    def data(self) -> int:
+        """The data-parallel size, ``world_size / (tensor * pipeline * context)``."""
+        return self.world_size // (self.tensor * self.pipeline * self.context)
+
+    @property
+    def expert_data(self) -> int:
+        """The expert-data size, ``world_size / (expert_tensor * expert * pipeline)``."""
+        return self.world_size // (self.expert_tensor * self.expert * self.pipeline)
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The full order, fastest-varying first, with unnamed axes of size 1 appended."""
+        return self._dense.tokens
+
+    def size(self, mode: ParallelMode | str) -> int:
+        """Return the number of ranks in each group of ``mode``.
+
+        Raises:
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        mode = ParallelMode.parse(mode)
+        if mode is ParallelMode.EMBEDDING:
+            return min(self.pipeline, 2)
+        grid, axes = self._grid_axes(mode)
+        return int(np.prod([grid.size_of(t) for t in axes]))
+
+    # ----------------------------------------------------------------------------- groups
+    def _grid_axes(self, mode: ParallelMode) -> tuple[_Grid, tuple[str, ...]]:
+        kind, axes = _MODE_AXES[mode]
+        return (self._dense if kind == _DENSE else self._expert), axes
+
+    def group_array(self, mode: ParallelMode | str) -> np.ndarray:
+        """Return every group of ``mode`` as an int64 array of shape (n_groups, group_size).
+
+        Rows are ascending and sorted by their first member.
+
+        Raises:
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        mode = ParallelMode.parse(mode)
+        if mode is ParallelMode.EMBEDDING:
+            pipe = self.group_array(ParallelMode.PIPELINE)
+            return pipe[:, [0, -1]] if self.pipeline > 1 else pipe
+        grid, axes = self._grid_axes(mode)
+        return grid.group_array(axes)
+
+    def groups(self, mode: ParallelMode | str) -> list[list[int]]:
+        """Return every group of ``mode`` as a list of ascending lists of global ranks.
+
+        For EMBEDDING these are the first and last stage of each pipeline group, so the middle
+        stages of a pipeline longer than 2 belong to no embedding group.
+
+        Raises:
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        return self.group_array(mode).tolist()
+
+    def group_of(self, mode: ParallelMode | str, rank: int) -> list[int]:
+        """Return the ascending members of the group of ``mode`` that holds ``rank``.
+
+        Costs O(group size), independent of the world size. Returns an empty list when the
+        rank belongs to no group of that mode (only EMBEDDING, for middle pipeline stages).
+
+        Raises:
+            LayoutError: unknown mode, or ``rank`` outside ``[0, world_size)``.
+        """
+        mode = ParallelMode.parse(mode)
+        self._check_rank(rank)
+        if mode is ParallelMode.EMBEDDING:
+            pipe = self.group_of(ParallelMode.PIPELINE, rank)
+            ends = sorted({pipe[0], pipe[-1]})
+            return ends if rank in ends else []
+        grid, axes = self._grid_axes(mode)
+        return grid.group_of(axes, rank).tolist()
+
+    def local_rank(self, mode: ParallelMode | str, rank: int) -> int:
+        """Return the index of ``rank`` in its group of ``mode``.
+
+        Raises:
+            LayoutError: unknown mode, rank out of range, or a rank in no group of that mode.
+        """
+        members = self.group_of(mode, rank)
+        if not members:
+            raise LayoutError(
+                f"rank {rank} belongs to no {ParallelMode.parse(mode).value} group: only the "
+                f"first and last of {self.pipeline} pipeline stages hold the embedding"
+            )
+        return members.index(rank)
+
+    def signature(self, mode: ParallelMode | str) -> tuple:
+        """Return a key that is equal for two modes exactly when their groups are identical.
+
+        Raises:
+            LayoutError: ``mode`` is not a parallel mode.
+        """
+        mode = ParallelMode.parse(mode)
+        if mode is ParallelMode.EMBEDDING:
+            if self.pipeline <= 2:
+                return self.signature(ParallelMode.PIPELINE)
+            return ("embedding",) + self.signature(ParallelMode.PIPELINE)
+        grid, axes = self._grid_axes(mode)
+        return grid.signature(axes)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Return the coordinates of ``rank``.
+
+        Keys ``tp``, ``cp``, ``dp``, ``pp`` are the dense-grid coordinates; ``etp``, ``ep``
+        and ``edp`` the expert-tensor, expert and expert-data coordinates. In each grid
+        ``rank == sum(coord * stride)`` with the strides of :meth:`strides`.
+
+        Raises:
+            LayoutError: ``rank`` outside ``[0, world_size)``.
+        """
+        self._check_rank(rank)
+        dense = self._dense.coords(rank)
+        expert = self._expert.coords(rank)
+        return {
+            "tp": dense["tp"],
+            "cp": dense["cp"],
+            "dp": dense["dp"],
+            "pp": dense["pp"],
+            "etp": expert["tp"],
+            "ep": expert["ep"],
+            "edp": expert["dp"],
+        }
+
+    def strides(self, grid: str = "dense") -> dict[str, int]:
+        """Return the stride of each axis token in the ``"dense"`` or ``"expert"`` grid.
+
+        Raises:
+            LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``.
+        """
+        if grid not in (_DENSE, _EXPERT):
+            raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
+        g = self._dense if grid == _DENSE else self._expert
+        return dict(zip(g.tokens, g.strides))
+
+    def modes(self) -> list[ParallelMode]:
+        """Return every mode this layout describes, in a fixed order (GLOBAL first)."""
+        return list(ParallelMode)
+
+    def to_dict(self) -> dict[str, list[list[int]]]:
+        """Return ``{mode name: groups}`` for every mode, mode names lower-case."""
+        return {mode.value: self.groups(mode) for mode in self.modes()}
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank={rank} is outside [0, world_size={self.world_size})")
+
+    def describe(self) -> str:
+        """Return a one-line summary such as ``world=8 tp=2 cp=1 dp=2 pp=2 order=tp-cp-ep-dp-pp``."""
+        text = (
+            f"world={self.world_size} tp={self.tensor} cp={self.context} dp={self.data} "
+            f"pp={self.pipeline}"
+        )
+        if self.expert > 1 or self.expert_tensor != self.tensor:
+            text += f" ep={self.expert} etp={self.expert_tensor} edp={self.expert_data}"
+        return text + f" order={self.order}"
+
+
+def _check_size(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise LayoutError(f"{name}={value!r} must be a positive integer")
+
+
+def plan(
+    world_size: int,
+    tensor: int = 1,
+    pipeline: int = 1,
+    context: int = 1,
+    expert: int = 1,
+    expert_tensor: int | None = None,
+    order: str = DEFAULT_ORDER,
+) -> Layout:
+    """Compute the rank layout of a world; pure and torch-free.
+
+    ``data = world_size / (tensor * pipeline * context)`` is derived. ``expert_tensor``
+    defaults to ``tensor``; ``expert_data = world_size / (expert_tensor * expert * pipeline)``.
+
+    Returns:
+        The validated :class:`Layout`.
+
+    Raises:
+        LayoutError: a size that is not a positive integer, a size product that does not
+            divide ``world_size``, an order string with an unknown or repeated token, an axis of
+            size > 1 that the order string leaves out, or an expert layout whose pipeline groups
+            differ from the dense ones (the rules Megatron-core enforces). The message names the
+            values and the fix.
+    """
+    expert_tensor = tensor if expert_tensor is None else expert_tensor
+    for name, value in (
+        ("world_size", world_size),
+        ("tensor", tensor),
+        ("pipeline", pipeline),
+        ("context", context),
+        ("expert", expert),
+        ("expert_tensor", expert_tensor),
+    ):
+        _check_size(name, value)
+    world_size, tensor, pipeline, context, expert, expert_tensor = (
+        int(v) for v in (world_size, tensor, pipeline, context, expert, expert_tensor)
+    )
+    model = tensor * pipeline * context
+    if world_size % model:
+        raise LayoutError(
+            f"tensor={tensor} x pipeline={pipeline} x context={context} = {model} does not divide "
+            f"world_size={world_size}; choose sizes whose product divides the world size"
+        )
+    expert_model = expert_tensor * expert * pipeline
+    if world_size % expert_model:
+        raise LayoutError(
+            f"expert_tensor={expert_tensor} x expert={expert} x pipeline={pipeline} = "
+            f"{expert_model} does not divide world_size={world_size}"
+        )
+    tokens = parse_order(order)
+    data = world_size // model
+    expert_data = world_size // expert_model
+    needed = {
+        "tp": max(tensor, expert_tensor),
+        "cp": context,
+        "ep": expert,
+        "dp": max(data, expert_data),
+        "pp": pipeline,
+    }
+    for token, size in needed.items():
+        if size > 1 and token not in tokens:
+            raise LayoutError(
+                f"order={order!r} leaves out {token!r} but the {_AXIS_NAMES[token]} size is "
+                f"{size}; name every axis of size > 1, e.g. {DEFAULT_ORDER!r}"
+            )
+    if tokens[-1] != "pp" and pipeline > 1 and expert_data != data:
+        raise LayoutError(
+            f"order={order!r} does not end with 'pp', so the expert-data size ({expert_data}) "
+            f"must equal the data size ({data}); put 'pp' last or change the expert sizes"
+        )
+    layout = Layout(world_size, tensor, pipeline, context, expert, expert_tensor, order)
+    dense_pp = layout._dense.signature(("pp",))
+    expert_pp = layout._expert.signature(("pp",))
+    if pipeline > 1 and dense_pp != expert_pp:
+        raise LayoutError(
+            f"with order={order!r} the expert grid (expert_tensor={expert_tensor}, expert={expert}, "
+            f"expert_data={expert_data}) puts the pipeline stages on other ranks than the dense grid "
+            f"(tensor={tensor}, context={context}, data={data}); make the axes before 'pp' "
+            f"multiply to the same size in both grids, or put 'pp' last"
+        )
+    return layout
