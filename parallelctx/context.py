@@ -33,6 +33,9 @@ _LAUNCH_HINT = (
 )
 
 
+_CPU_BACKENDS = frozenset({"gloo", "mpi", "fake"})
+
+
 class NotLaunchedError(RuntimeError):
     """A query was made before the context was launched, or after ``destroy()``."""
 
@@ -257,7 +260,8 @@ class ParallelContext:
                 f"parallel.data={par.data} but world_size={self._world_size} / (tensor x pipeline x "
                 f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
             )
-        cpu_backend = None if self._backend == "gloo" else "gloo"
+        # Accelerator backends get a gloo group beside each group; CPU backends serve both.
+        cpu_backend = None if self._backend in _CPU_BACKENDS else "gloo"
         timeout = self._timeout or self.config.dist.timeout
         groups, calls = create_groups(layout, self._global_rank, timeout, cpu_backend)
         self._layout = layout
