@@ -78,7 +78,9 @@ def create_groups(
         if not members:
             continue
         sig = layout.signature(mode)
-        if len(members) == 1:
+        if mode is world:  # the default group, even in a world of one
+            out[mode] = ModeGroup(members, default_group, cpu_world)
+        elif len(members) == 1:
             out[mode] = ModeGroup(members, None, None)
         elif sig == world_sig:
             out[mode] = ModeGroup(members, default_group, cpu_world)

@@ -1,0 +1,140 @@
+"""Worker functions for the multi-process tests (module level, so spawned children import them).
+
+Each worker measures its groups with its own collectives (one-hot all-reduce, all-gather of
+global ranks) and writes what it saw to a JSON file; the test process compares the files with
+the pure layout. Nothing here trusts what gpc stored except the answers under test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import parallelctx
+from parallelctx import NotLaunchedError, ParallelMode, gpc
+from parallelctx.launch import free_port
+
+
+def _measure_group(group: Any, world: int, rank: int) -> dict[str, Any]:
+    onehot = torch.zeros(world, dtype=torch.int64)
+    onehot[rank] = 1
+    dist.all_reduce(onehot, group=group)
+    size = dist.get_world_size(group)
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([rank]), group=group)
+    return {
+        "sum": onehot.tolist(),
+        "order": [int(t.item()) for t in gathered],
+        "group_rank": dist.get_rank(group),
+    }
+
+
+def _record(case: dict[str, Any]) -> dict[str, Any]:
+    world = gpc.get_world_size(ParallelMode.GLOBAL)
+    rank = gpc.get_global_rank()
+    modes: dict[str, Any] = {}
+    for mode in ParallelMode:
+        if not gpc.is_initialized(mode):
+            modes[mode.value] = None
+            continue
+        entry: dict[str, Any] = {
+            "local_rank": gpc.get_local_rank(mode),
+            "local_rank_str": gpc.get_local_rank(mode.value),
+            "size": gpc.get_world_size(mode),
+            "ranks": gpc.get_ranks_in_group(mode),
+            "next": gpc.get_next_global_rank(mode),
+            "prev": gpc.get_prev_global_rank(mode),
+            "first": gpc.is_first_rank(mode),
+            "last": gpc.is_last_rank(mode),
+            "has_group": gpc.get_group(mode) is not None,
+        }
+        view = getattr(gpc, "world" if mode is ParallelMode.GLOBAL else mode.value)
+        entry["view"] = [view.rank, view.size, list(view.ranks)]
+        group = gpc.get_group(mode)
+        if group is not None:
+            entry["measured"] = _measure_group(group, world, rank)
+            entry["measured_cpu"] = _measure_group(gpc.get_cpu_group(mode), world, rank)
+        modes[mode.value] = entry
+    # seeds: two draws per mode in separate `with` blocks, plus the default stream
+    draws = {}
+    for mode in ParallelMode:
+        with gpc.seed(mode):
+            a = torch.rand(4).tolist()
+        with gpc.seed(mode):
+            b = torch.rand(4).tolist()
+        draws[mode.value] = [a, b]
+    default = torch.rand(4).tolist()
+    mine = {
+        "rank": rank,
+        "seeds": {m.value: gpc.get_seed(m) for m in ParallelMode},
+        "draws": draws,
+        "default": default,
+    }
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return {
+        "case": case,
+        "rank": rank,
+        "modes": modes,
+        "pipeline_first": gpc.is_pipeline_first_stage(),
+        "pipeline_last": gpc.is_pipeline_last_stage(),
+        "rank_for_log": gpc.is_rank_for_log(),
+        "procs_on_node": gpc.num_processes_on_current_node,
+        "num_nodes": gpc.num_nodes,
+        "node_rank": gpc.node_rank,
+        "local_rank": gpc.local_rank,
+        "config_model": gpc.config.model.hidden_size,
+        "seeds_all": every,
+        "group_creations": gpc.group_creations,
+    }
+
+
+def case_config(case: dict[str, Any]) -> dict[str, Any]:
+    """Return the config dict of one test case."""
+    parallel: dict[str, Any] = {
+        "tensor": case.get("tensor", 1),
+        "pipeline": {"size": case.get("pipeline", 1)},
+        "context": case.get("context", 1),
+        "order": case.get("order", "tp-cp-ep-dp-pp"),
+    }
+    if "expert" in case:
+        parallel["expert"] = {"size": case["expert"], "tensor": case.get("expert_tensor", parallel["tensor"])}
+    return {"parallel": parallel, "dist": {"timeout": 120, "backend": "gloo"}, "seed": 1234, "model": {"hidden_size": 64}}
+
+
+def run_cases(out_dir: str, cases: list[dict[str, Any]]) -> None:
+    """Worker main for spawn: check every case, destroying and relaunching between cases.
+
+    The first case was launched by spawn; each next one rendezvouses on a port that rank 0
+    picks and broadcasts before the old context is destroyed.
+    """
+    rank = gpc.get_global_rank()
+    world = gpc.get_world_size(ParallelMode.GLOBAL)
+    local = gpc.local_rank
+    for i, case in enumerate(cases):
+        if i > 0:
+            port = [free_port() if rank == 0 else None]
+            dist.broadcast_object_list(port, src=0)
+            gpc.destroy()
+            after = {"dist_initialized": dist.is_initialized()}
+            try:
+                gpc.get_local_rank(ParallelMode.TENSOR)
+                after["query_raised"] = False
+            except NotLaunchedError:
+                after["query_raised"] = True
+            try:
+                gpc.tensor.rank
+                after["view_raised"] = False
+            except NotLaunchedError:
+                after["view_raised"] = True
+            parallelctx.launch(case_config(case), rank=rank, world_size=world, port=port[0], local_rank=local)
+        else:
+            after = None
+        record = _record(case)
+        record["after_destroy"] = after
+        Path(out_dir, f"case{i}_rank{rank}.json").write_text(json.dumps(record))
+

@@ -1,0 +1,184 @@
+"""gpc in one process: errors before launch, a world of one, seeds, destroy and relaunch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallelctx
+from parallelctx import LayoutError, NotLaunchedError, ParallelMode, gpc
+from parallelctx.context import resolve_backend
+
+
+@pytest.fixture
+def launched() -> Iterator[parallelctx.ParallelContext]:
+    parallelctx.launch({"model": {"hidden_size": 8}, "seed": 7})
+    try:
+        yield gpc
+    finally:
+        gpc.destroy()
+
+
+QUERIES = [
+    lambda: gpc.get_global_rank(),
+    lambda: gpc.get_local_rank(ParallelMode.TENSOR),
+    lambda: gpc.get_world_size("data"),
+    lambda: gpc.get_group("pipeline"),
+    lambda: gpc.get_cpu_group("pipeline"),
+    lambda: gpc.get_ranks_in_group("tensor"),
+    lambda: gpc.is_first_rank("tensor"),
+    lambda: gpc.is_pipeline_last_stage(),
+    lambda: gpc.get_next_global_rank("pipeline"),
+    lambda: gpc.tensor.rank,
+    lambda: gpc.world.size,
+    lambda: gpc.config,
+    lambda: gpc.layout,
+    lambda: gpc.num_processes_on_current_node,
+    lambda: gpc.get_seed("tensor"),
+    lambda: gpc.device_mesh,
+]
+
+
+@pytest.mark.parametrize("query", QUERIES)
+def test_queries_before_launch_say_what_to_do(query) -> None:
+    with pytest.raises(NotLaunchedError, match="call parallelctx.launch_from_torch"):
+        query()
+
+
+def test_world_of_one_answers_every_mode(launched) -> None:
+    assert not gpc.is_initialized("embedding") or gpc.get_world_size("embedding") == 1
+    for mode in ParallelMode:
+        assert gpc.is_initialized(mode)
+        assert gpc.get_local_rank(mode) == 0
+        assert gpc.get_world_size(mode) == 1
+        assert gpc.get_ranks_in_group(mode) == [0]
+        assert gpc.is_first_rank(mode) and gpc.is_last_rank(mode)
+        assert gpc.get_next_global_rank(mode) == gpc.get_prev_global_rank(mode) == 0
+        assert gpc.get_group(mode) is None or mode is ParallelMode.GLOBAL
+    assert gpc.get_group(ParallelMode.GLOBAL) is dist.group.WORLD
+    assert gpc.tensor.rank == 0 and gpc.tensor.size == 1 and gpc.tensor.group is None
+    assert gpc.is_rank_for_log()
+    assert gpc.num_processes_on_current_node == 1 and gpc.num_nodes == 1 and gpc.node_rank == 0
+    assert gpc.config.model.hidden_size == 8
+    assert gpc.device == torch.device("cpu") and gpc.backend == "gloo"
+
+
+def test_unknown_mode_is_named(launched) -> None:
+    with pytest.raises(LayoutError, match="unknown parallel mode 'tensr'"):
+        gpc.get_local_rank("tensr")
+    with pytest.raises(LayoutError):
+        gpc.is_initialized("tensr")
+
+
+def test_launch_twice_is_refused(launched) -> None:
+    with pytest.raises(RuntimeError, match="already launched"):
+        parallelctx.launch()
+
+
+def test_destroy_resets_and_relaunches() -> None:
+    parallelctx.launch({"seed": 5})
+    gpc.destroy()
+    assert not dist.is_initialized()
+    with pytest.raises(NotLaunchedError):
+        gpc.get_world_size("tensor")
+    with pytest.raises(NotLaunchedError):
+        gpc.config
+    gpc.destroy()  # twice is harmless
+    parallelctx.launch({"seed": 6})
+    try:
+        assert gpc.config.seed == 6 and gpc.get_world_size("global") == 1
+    finally:
+        gpc.destroy()
+
+
+def test_failed_launch_leaves_nothing_behind() -> None:
+    with pytest.raises(LayoutError, match="tensor=2 x pipeline=1 x context=1 = 2 does not divide world_size=1"):
+        parallelctx.launch({"parallel": {"tensor": 2}})
+    assert not dist.is_initialized()
+    with pytest.raises(NotLaunchedError):
+        gpc.config
+    parallelctx.launch()
+    gpc.destroy()
+
+
+def test_adopts_an_existing_default_group_and_leaves_it() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallelctx.launch()
+        assert gpc.get_group(ParallelMode.GLOBAL) is dist.group.WORLD
+        gpc.destroy()
+        assert dist.is_initialized(), "a group parallelctx did not make is not torn down"
+        with pytest.raises(RuntimeError, match="already initialised as rank 0 of 1, not rank 1 of 2"):
+            gpc.init_global_dist(1, 2)
+    finally:
+        gpc.destroy()
+        dist.destroy_process_group()
+
+
+def test_seed_streams(launched) -> None:
+    seeds = {m: gpc.get_seed(m) for m in ParallelMode}
+    assert len(set(seeds.values())) == len(seeds)
+    assert seeds[ParallelMode.GLOBAL] == 7
+    torch.manual_seed(99)
+    outside = torch.get_rng_state()
+    with gpc.seed(ParallelMode.TENSOR):
+        a = torch.rand(3)
+        with gpc.seed("data"):
+            d = torch.rand(3)
+        b = torch.rand(3)
+        with gpc.seed(ParallelMode.TENSOR):  # re-entering the active stream is a no-op
+            c = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside), "the outer stream is restored untouched"
+    tensor = torch.Generator().manual_seed(seeds[ParallelMode.TENSOR])
+    assert torch.equal(torch.cat([a, b, c]), torch.rand(9, generator=tensor))
+    data = torch.Generator().manual_seed(seeds[ParallelMode.DATA])
+    assert torch.equal(d, torch.rand(3, generator=data))
+    with gpc.seed(ParallelMode.TENSOR):
+        e = torch.rand(3)
+    assert torch.equal(e, torch.rand(3, generator=tensor)), "the stream continues where it stopped"
+
+
+def test_stream_is_restored_after_an_exception(launched) -> None:
+    before = torch.get_rng_state()
+    with pytest.raises(ZeroDivisionError):
+        with gpc.seed("tensor"):
+            torch.rand(2)
+            1 / 0
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_set_seed_rejects_bad_values(launched) -> None:
+    with pytest.raises(ValueError, match=r"seed=-1 must be an integer in \[0, 2\*\*32\)"):
+        gpc.set_seed(-1)
+
+
+def test_launch_arguments_checked() -> None:
+    with pytest.raises(ValueError, match=r"rank=3 must lie in \[0, world_size=2\)"):
+        parallelctx.launch(rank=3, world_size=2, port=29999)
+    with pytest.raises(ValueError, match="port=None must be an integer in 1..65535"):
+        parallelctx.launch(rank=0, world_size=2)
+    with pytest.raises(TypeError, match="must be seconds"):
+        parallelctx.launch(timeout="5")
+    assert not dist.is_initialized()
+
+
+def test_timeout_reaches_default_group() -> None:
+    parallelctx.launch(timeout=timedelta(seconds=42))
+    try:
+        assert gpc._timeout == timedelta(seconds=42)
+    finally:
+        gpc.destroy()
+
+
+def test_resolve_backend() -> None:
+    assert resolve_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert resolve_backend("gloo") == "gloo"
+    with pytest.raises(ValueError, match="backend='mpi' must be 'auto', 'nccl' or 'gloo'"):
+        resolve_backend("mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA"):
+            resolve_backend("nccl")
