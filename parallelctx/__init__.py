@@ -7,7 +7,16 @@ the ``launch*`` functions or :func:`spawn`.
 from .config import Config, ConfigError, load_config
 from .context import ModeView, NotLaunchedError, ParallelContext
 from .env import LaunchEnv, LaunchEnvError
-from .launch import SpawnError, launch, launch_from_env, launch_from_torch, spawn
+from .launch import (
+    SpawnError,
+    init_dist,
+    launch,
+    launch_from_env,
+    launch_from_openmpi,
+    launch_from_slurm,
+    launch_from_torch,
+    spawn,
+)
 from .layout import Layout, LayoutError, ParallelMode, plan
 
 __version__ = "0.1.0"
@@ -28,8 +37,11 @@ __all__ = [
     "ParallelMode",
     "SpawnError",
     "gpc",
+    "init_dist",
     "launch",
     "launch_from_env",
+    "launch_from_openmpi",
+    "launch_from_slurm",
     "launch_from_torch",
     "load_config",
     "plan",

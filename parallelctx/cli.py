@@ -2,6 +2,7 @@
 
     parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert N]
                      [--expert-tensor N] [--order S] [--json]
+    parallelctx env [--json]     which launcher started this process and what it said
 """
 
 from __future__ import annotations
@@ -39,6 +40,31 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_env(args: argparse.Namespace) -> int:
+    from .env import LaunchEnvError, detect
+
+    try:
+        found = detect()
+    except LaunchEnvError as exc:
+        print(f"parallelctx env: {exc}", file=sys.stderr)
+        return 2
+    info = found.as_dict()
+    if args.json:
+        json.dump(info, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    variables = info.pop("variables")
+    rows = [(key, "-" if value is None else str(value)) for key, value in info.items()]
+    rows += [(name, value) for name, value in variables.items()]  # type: ignore[union-attr]
+    width = max(len(key) for key, _ in rows)
+    sys.stdout.write(f"{'field':<{width}}  value\n{'-' * width}  {'-' * 5}\n")
+    for i, (key, value) in enumerate(rows):
+        if i == len(info):
+            sys.stdout.write(f"{'read from the environment':<{width}}\n")
+        sys.stdout.write(f"{key:<{width}}  {value}\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``parallelctx`` command."""
     parser = argparse.ArgumentParser(prog="parallelctx", description="parallelctx command-line tools")
@@ -53,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", default=DEFAULT_ORDER, help=f"fastest axis first (default {DEFAULT_ORDER})")
     p.add_argument("--json", action="store_true", help="print {mode: groups} as JSON")
     p.set_defaults(func=_cmd_plan)
+    e = sub.add_parser("env", help="print which launcher started this process and what it said")
+    e.add_argument("--json", action="store_true", help="print the fields as one JSON object")
+    e.set_defaults(func=_cmd_env)
     return parser
 
 

@@ -1,16 +1,30 @@
 """Launcher detection: what the environment says about this process's place in the job.
 
-Each detector reads only environment variables and returns a :class:`LaunchEnv`, or None when
-its launcher did not start this process. Nothing here imports torch.
+One detector per launcher. Each reads only environment variables and returns a
+:class:`LaunchEnv`, or None when its launcher did not start this process; it raises
+:class:`LaunchEnvError` when the variables are there but incomplete or contradict each other.
+:func:`detect` tries them in a fixed order (see its docstring). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-__all__ = ["LaunchEnv", "LaunchEnvError", "detect", "from_torchrun", "single_process"]
+from .hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+
+__all__ = [
+    "LaunchEnv",
+    "LaunchEnvError",
+    "SLURM_PORT_RANGE",
+    "detect",
+    "from_mpi",
+    "from_slurm",
+    "from_torchrun",
+    "single_process",
+    "slurm_port",
+]
 
 
 class LaunchEnvError(RuntimeError):
@@ -21,96 +35,329 @@ class LaunchEnvError(RuntimeError):
 class LaunchEnv:
     """What a launcher told this process.
 
-    ``local_world_size`` and ``node_rank`` are None where the launcher does not say;
-    ``master_addr``/``master_port`` are None where it gives no rendezvous address.
+    ``launcher`` is ``"torchrun"``, ``"slurm"``, ``"openmpi"``, ``"mpich"`` (any PMI launcher:
+    MPICH/Intel MPI Hydra, ``srun --mpi=pmi2``), ``"mvapich"`` or ``"none"`` (a world of one).
+    ``local_rank`` is None only where the launcher gives no local rank (it is then derived from
+    the host names at launch). ``local_world_size``, ``node_rank`` and ``num_nodes`` are None
+    where the launcher does not say; ``master_addr``/``master_port`` are None where it gives no
+    rendezvous address. ``variables`` lists the environment variables read, with their values.
     """
 
     launcher: str
     rank: int
     world_size: int
-    local_rank: int
+    local_rank: int | None
     local_world_size: int | None = None
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    num_nodes: int | None = None
+    variables: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def as_dict(self) -> dict[str, object]:
-        """Return the fields as a plain dict."""
-        return asdict(self)
+        """Return the fields as a plain dict (``variables`` as a dict)."""
+        out = asdict(self)
+        out["variables"] = dict(self.variables)
+        return out
 
 
-def _int(env: Mapping[str, str], name: str, launcher_hint: str) -> int:
-    value = env.get(name)
-    if value is None:
-        raise LaunchEnvError(f"{name} is not set; {launcher_hint}")
-    try:
-        return int(value)
-    except ValueError:
-        raise LaunchEnvError(f"{name}={value!r} is not an integer; {launcher_hint}") from None
+class _Reader:
+    """Reads variables from one environment and remembers which it read."""
 
+    def __init__(self, env: Mapping[str, str], hint: str) -> None:
+        self.env = env
+        self.hint = hint
+        self.seen: dict[str, str] = {}
 
-def _optional_int(env: Mapping[str, str], name: str) -> int | None:
-    value = env.get(name)
-    if value is None or value == "":
+    def get(self, name: str) -> str | None:
+        value = self.env.get(name)
+        if value is not None:
+            self.seen[name] = value
+        return value
+
+    def first(self, *names: str) -> tuple[str, str] | None:
+        """Return (name, value) of the first of ``names`` that is set and not empty."""
+        for name in names:
+            value = self.get(name)
+            if value not in (None, ""):
+                return name, value  # type: ignore[return-value]
         return None
-    try:
-        return int(value)
-    except ValueError:
-        raise LaunchEnvError(f"{name}={value!r} is not an integer") from None
 
+    def int(self, *names: str) -> int:
+        found = self.first(*names)
+        if found is None:
+            raise LaunchEnvError(f"{' / '.join(names)} is not set; {self.hint}")
+        return self._parse(*found)
+
+    def opt_int(self, *names: str) -> int | None:
+        found = self.first(*names)
+        return None if found is None else self._parse(*found)
+
+    def _parse(self, name: str, value: str) -> int:
+        try:
+            return int(value)
+        except ValueError:
+            raise LaunchEnvError(f"{name}={value!r} is not an integer; {self.hint}") from None
+
+    def variables(self) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted(self.seen.items()))
+
+
+def _check(launcher: str, rank: int, world: int, local: int | None, local_world: int | None,
+           node: int | None, nodes: int | None, names: tuple[str, str, str, str, str, str]) -> None:
+    """Raise LaunchEnvError when the numbers a launcher gave contradict each other."""
+    r, w, lr, lw, nr, nn = names
+    if world < 1:
+        raise LaunchEnvError(f"{launcher}: {w}={world} must be at least 1")
+    if not 0 <= rank < world:
+        raise LaunchEnvError(f"{launcher}: {r}={rank} must lie in [0, {w}={world})")
+    if local_world is not None:
+        if not 1 <= local_world <= world:
+            raise LaunchEnvError(f"{launcher}: {lw}={local_world} must lie in [1, {w}={world}]")
+        if local is not None and not 0 <= local < local_world:
+            raise LaunchEnvError(f"{launcher}: {lr}={local} must lie in [0, {lw}={local_world})")
+    if local is not None and local < 0:
+        raise LaunchEnvError(f"{launcher}: {lr}={local} must not be negative")
+    if nodes is not None:
+        if not 1 <= nodes <= world:
+            raise LaunchEnvError(f"{launcher}: {nn}={nodes} must lie in [1, {w}={world}]")
+        if node is not None and not 0 <= node < nodes:
+            raise LaunchEnvError(f"{launcher}: {nr}={node} must lie in [0, {nn}={nodes})")
+
+
+def _master(reader: _Reader) -> tuple[str | None, int | None]:
+    addr = reader.get("MASTER_ADDR") or None
+    port = reader.opt_int("MASTER_PORT")
+    if port is not None and not 0 < port < 65536:
+        raise LaunchEnvError(f"MASTER_PORT={port} must be a TCP port in 1..65535")
+    return addr, port
+
+
+# --------------------------------------------------------------------------- torchrun
 
 TORCHRUN_HINT = "start the script with torchrun (e.g. torchrun --nproc-per-node 8 train.py)"
 
 
 def from_torchrun(env: Mapping[str, str] | None = None, required: bool = False) -> LaunchEnv | None:
-    """Read torchrun's (torch elastic's) variables.
+    """Read torchrun's (torch elastic's) variables: RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, GROUP_RANK (node index), GROUP_WORLD_SIZE (nodes), MASTER_ADDR, MASTER_PORT.
 
     Returns:
         The :class:`LaunchEnv`, or None when neither TORCHELASTIC_RUN_ID nor RANK, WORLD_SIZE
         and LOCAL_RANK are set (unless ``required``).
 
     Raises:
-        LaunchEnvError: a variable is missing (when ``required`` or partly set) or not an integer;
-            the message names it and says to start the script with torchrun.
+        LaunchEnvError: a variable is missing (when ``required`` or partly set), not an integer,
+            or out of range; the message names it and says to start the script with torchrun.
     """
     env = os.environ if env is None else env
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     if not required and "TORCHELASTIC_RUN_ID" not in env and not all(k in env for k in keys):
         return None
-    rank = _int(env, "RANK", TORCHRUN_HINT)
-    world_size = _int(env, "WORLD_SIZE", TORCHRUN_HINT)
-    local_rank = _int(env, "LOCAL_RANK", TORCHRUN_HINT)
-    if "MASTER_ADDR" not in env:
+    rd = _Reader(env, TORCHRUN_HINT)
+    rd.get("TORCHELASTIC_RUN_ID")
+    rank, world, local = rd.int("RANK"), rd.int("WORLD_SIZE"), rd.int("LOCAL_RANK")
+    local_world = rd.opt_int("LOCAL_WORLD_SIZE")
+    node, nodes = rd.opt_int("GROUP_RANK"), rd.opt_int("GROUP_WORLD_SIZE")
+    addr, port = _master(rd)
+    if addr is None:
         raise LaunchEnvError(f"MASTER_ADDR is not set; {TORCHRUN_HINT}")
-    port = _int(env, "MASTER_PORT", TORCHRUN_HINT)
-    return LaunchEnv(
-        launcher="torchrun",
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=_optional_int(env, "LOCAL_WORLD_SIZE"),
-        node_rank=_optional_int(env, "GROUP_RANK"),
-        master_addr=env["MASTER_ADDR"],
-        master_port=port,
+    if port is None:
+        raise LaunchEnvError(f"MASTER_PORT is not set; {TORCHRUN_HINT}")
+    _check("torchrun", rank, world, local, local_world, node, nodes,
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+    return LaunchEnv("torchrun", rank, world, local, local_world, node, addr, port, nodes, rd.variables())
+
+
+# --------------------------------------------------------------------------- MPI
+
+MPI_HINT = (
+    "start the script with mpirun / mpiexec (e.g. mpirun -np 8 python train.py) so that every rank "
+    "gets OMPI_COMM_WORLD_* (Open MPI), PMI_RANK/PMI_SIZE (MPICH, Intel MPI) or MV2_COMM_WORLD_* "
+    "(MVAPICH)"
+)
+
+# launcher: (rank, size, local rank, local size) variable names
+_MPI_VARS = {
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+}
+
+
+def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> LaunchEnv | None:
+    """Read an MPI launcher's variables: Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE),
+    MVAPICH (MV2_COMM_WORLD_*), or a PMI launcher (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,
+    MPI_LOCALNRANKS: MPICH and Intel MPI's Hydra, ``srun --mpi=pmi2``). MASTER_ADDR and
+    MASTER_PORT are taken when set; MPI itself gives no rendezvous address.
+
+    Returns:
+        The :class:`LaunchEnv`, or None when no MPI rank variable is set (unless ``required``).
+        ``local_rank`` is None where the launcher gives none (``srun --mpi=pmi2``).
+
+    Raises:
+        LaunchEnvError: a variable is missing, not an integer or out of range; Hydra started
+            with ``-pmi-port`` (PMI_ID without PMI_RANK/PMI_SIZE); or ``required`` and no MPI
+            variables at all.
+    """
+    env = os.environ if env is None else env
+    for launcher, (rank_var, size_var, local_var, local_size_var) in _MPI_VARS.items():
+        if rank_var not in env:
+            continue
+        rd = _Reader(env, MPI_HINT)
+        rank, world = rd.int(rank_var), rd.int(size_var)
+        local, local_world = rd.opt_int(local_var), rd.opt_int(local_size_var)
+        addr, port = _master(rd)
+        _check(launcher, rank, world, local, local_world, None, None,
+               (rank_var, size_var, local_var, local_size_var, "-", "-"))
+        return LaunchEnv(launcher, rank, world, local, local_world, None, addr, port, None, rd.variables())
+    if "PMI_ID" in env and "PMI_PORT" in env:
+        raise LaunchEnvError(
+            f"PMI_ID={env['PMI_ID']!r} and PMI_PORT are set but not PMI_RANK/PMI_SIZE: mpiexec was "
+            "started with -pmi-port, which keeps the rank and world size out of the environment; "
+            "start it without -pmi-port"
+        )
+    if required:
+        raise LaunchEnvError(f"no MPI rank variable is set; {MPI_HINT}")
+    return None
+
+
+# --------------------------------------------------------------------------- Slurm
+
+SLURM_HINT = "start every task with srun (e.g. srun -N2 --ntasks-per-node=4 python train.py)"
+SLURM_PORT_RANGE = (15000, 30000)
+"""Ports derived from the Slurm job id lie in [15000, 30000): below Linux's ephemeral range
+(32768-60999), so an OS-chosen port never takes them."""
+
+
+def slurm_port(job_id: int, step_id: int = 0) -> int:
+    """Return the rendezvous port derived from a Slurm job (and step) id.
+
+    Consecutive job ids get ports 16 apart and steps 0-15 of one job get distinct ports, so two
+    jobs (or concurrent steps) sharing a node do not collide unless their ids are ~900 apart.
+
+    Returns:
+        A port in :data:`SLURM_PORT_RANGE`.
+    """
+    lo, hi = SLURM_PORT_RANGE
+    return lo + (job_id * 16 + step_id % 16) % (hi - lo)
+
+
+def _batch_shell_error(rd: _Reader, ntasks: int) -> LaunchEnvError:
+    job = rd.get("SLURM_JOB_ID") or rd.get("SLURM_JOBID") or "?"
+    return LaunchEnvError(
+        f"this is the batch shell of Slurm job {job} (SLURM_NTASKS={ntasks}, no SLURM_STEP_ID): one "
+        f"process, but the job asks for {ntasks} tasks, so the other ranks would never come. "
+        f"Start the script with srun inside the batch script (srun python train.py), or run it "
+        f"with --ntasks=1"
     )
+
+
+def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> LaunchEnv | None:
+    """Read the variables of a Slurm job step (a task started by ``srun``).
+
+    Rank SLURM_PROCID; world size SLURM_STEP_NUM_TASKS, else SLURM_NTASKS, else SLURM_NPROCS;
+    local rank SLURM_LOCALID; node index SLURM_NODEID; nodes SLURM_STEP_NUM_NODES / SLURM_NNODES;
+    processes on this node from SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE. Master address:
+    MASTER_ADDR when set, else the first host of SLURM_STEP_NODELIST / SLURM_JOB_NODELIST /
+    SLURM_NODELIST (parsed in Python). Port: MASTER_PORT, else :func:`slurm_port` of the job id.
+
+    Returns:
+        The :class:`LaunchEnv`, or None when SLURM_PROCID is not set, or in a batch shell of a
+        one-task job (then this is a world of one) (unless ``required``).
+
+    Raises:
+        LaunchEnvError: a batch shell (no SLURM_STEP_ID) of a job with more than one task, where
+            only srun can start the ranks; a variable missing, not an integer or out of range;
+            a node list that does not parse or disagrees with the node count.
+    """
+    env = os.environ if env is None else env
+    if "SLURM_PROCID" not in env and not required:
+        return None
+    rd = _Reader(env, SLURM_HINT)
+    step = rd.first("SLURM_STEP_ID", "SLURM_STEPID")
+    if step is None:
+        ntasks = rd.opt_int("SLURM_NTASKS", "SLURM_NPROCS") or 1
+        if ntasks > 1:
+            raise _batch_shell_error(rd, ntasks)
+        if not required:
+            return None
+        raise LaunchEnvError(f"SLURM_STEP_ID is not set: this process was not started by srun; {SLURM_HINT}")
+    rank = rd.int("SLURM_PROCID")
+    world = rd.int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    local = rd.int("SLURM_LOCALID")
+    node = rd.opt_int("SLURM_NODEID")
+    nodes = rd.opt_int("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    local_world = None
+    per_node = rd.first("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+    if per_node is not None and node is not None:
+        try:
+            counts = expand_tasks_per_node(per_node[1])
+        except HostlistError as exc:
+            raise LaunchEnvError(f"{per_node[0]}: {exc}") from None
+        if node < len(counts):
+            local_world = counts[node]
+    _check("slurm", rank, world, local, local_world, node, nodes,
+           ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", per_node[0] if per_node else "-",
+            "SLURM_NODEID", "SLURM_STEP_NUM_NODES"))
+    addr, port = _master(rd)
+    nodelist = rd.first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+    if nodelist is not None:
+        try:
+            hosts = expand_hostlist(nodelist[1])
+        except HostlistError as exc:
+            raise LaunchEnvError(f"{nodelist[0]}: {exc}") from None
+        if nodes is not None and nodelist[0] == "SLURM_STEP_NODELIST" and len(hosts) != nodes:
+            raise LaunchEnvError(
+                f"SLURM_STEP_NODELIST={nodelist[1]!r} names {len(hosts)} hosts but the step has "
+                f"{nodes} nodes; the environment is inconsistent (was it copied from another step?)"
+            )
+        addr = addr or hosts[0]
+    if addr is None:
+        raise LaunchEnvError(
+            "neither MASTER_ADDR nor SLURM_STEP_NODELIST / SLURM_JOB_NODELIST is set, so the rank-0 "
+            f"host is unknown; {SLURM_HINT}, or export MASTER_ADDR"
+        )
+    if port is None:
+        job = rd.opt_int("SLURM_JOB_ID", "SLURM_JOBID")
+        if job is None:
+            raise LaunchEnvError("neither MASTER_PORT nor SLURM_JOB_ID is set; export MASTER_PORT")
+        step_id = int(step[1]) if step[1].isdigit() else 0
+        port = slurm_port(job, step_id)
+    return LaunchEnv("slurm", rank, world, local, local_world, node, addr, port, nodes, rd.variables())
+
+
+# --------------------------------------------------------------------------- detection
 
 
 def single_process() -> LaunchEnv:
     """Return the environment of a plain ``python train.py``: a world of one."""
-    return LaunchEnv("none", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+    return LaunchEnv("none", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
 
 
 def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Detect which launcher started this process and what it said.
 
-    Checked in order: torchrun; otherwise a world of one.
+    Checked in this order, the first that applies wins:
+
+    1. torchrun: TORCHELASTIC_RUN_ID, or RANK + WORLD_SIZE + LOCAL_RANK (so torchrun started
+       inside srun or sbatch is torchrun, not Slurm);
+    2. MPI: OMPI_COMM_WORLD_RANK, MV2_COMM_WORLD_RANK or PMI_RANK, inside or outside Slurm
+       (``mpirun`` inside an allocation also sets SLURM_PROCID, with the wrong values);
+    3. a Slurm step: SLURM_PROCID with SLURM_STEP_ID (a batch shell of a job with more than one
+       task is refused: start the script with srun);
+    4. otherwise a world of one.
 
     Returns:
         The :class:`LaunchEnv`.
 
     Raises:
-        LaunchEnvError: a launcher's variables are present but incomplete or inconsistent.
+        LaunchEnvError: a launcher's variables are present but incomplete or inconsistent, or
+            this is a Slurm batch shell of a multi-task job.
     """
     env = os.environ if env is None else env
-    found = from_torchrun(env)
-    return found if found is not None else single_process()
+    for detector in (from_torchrun, from_mpi, from_slurm):
+        found = detector(env)
+        if found is not None:
+            return found
+    return single_process()
