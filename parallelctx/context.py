@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -69,6 +69,19 @@ class ModeView:
         return self.rank == self.size - 1
 
 
+class _ModeTable(dict):  # type: ignore[type-arg]
+    """A per-mode answer table; a lookup that misses raises the context's clear error."""
+
+    __slots__ = ("_miss",)
+
+    def __init__(self, miss: Callable[[Any], Exception]) -> None:
+        super().__init__()
+        self._miss = miss
+
+    def __missing__(self, mode: Any) -> Any:
+        raise self._miss(mode)
+
+
 class _Unlaunched:
     """Stands in for a :class:`ModeView` before launch; every attribute raises."""
 
@@ -126,10 +139,19 @@ class ParallelContext:
         self._backend: str | None = None
         self._timeout: timedelta | None = None
         self._owns_default_group = False
-        self._local_ranks: dict[ParallelMode, int] = {}
-        self._world_sizes: dict[ParallelMode, int] = {}
-        self._groups: dict[ParallelMode, Any] = {}
-        self._cpu_groups: dict[ParallelMode, Any] = {}
+        self._local_ranks = _ModeTable(lambda m: self._bad_mode(m, "get_local_rank()"))
+        self._world_sizes = _ModeTable(lambda m: self._bad_mode(m, "get_world_size()"))
+        self._groups = _ModeTable(lambda m: self._bad_mode(m, "get_group()"))
+        self._cpu_groups = _ModeTable(lambda m: self._bad_mode(m, "get_cpu_group()"))
+        # Hot path: these four queries answer straight from a C-level dict lookup, since a Python
+        # method around it would cost twice as much. The methods of the same names below carry the
+        # documentation and the signatures; a miss raises the same clear errors.
+        self.get_local_rank = self._local_ranks.__getitem__  # type: ignore[method-assign]
+        self.get_world_size = self._world_sizes.__getitem__  # type: ignore[method-assign]
+        self.get_group = self._groups.__getitem__  # type: ignore[method-assign]
+        self.get_cpu_group = self._cpu_groups.__getitem__  # type: ignore[method-assign]
+        self._first_stage: bool | None = None
+        self._last_stage: bool | None = None
         self._views: dict[ParallelMode, ModeView] = {}
         self._group_calls = 0
         self._hostnames: tuple[str, ...] = ()
@@ -285,6 +307,8 @@ class ParallelContext:
             self._groups[mode] = g.group
             self._cpu_groups[mode] = g.cpu_group
             setattr(self, VIEW_NAMES[mode], view)
+        pipe = self._views[ParallelMode.PIPELINE]
+        self._first_stage, self._last_stage = pipe.is_first, pipe.is_last
         return layout
 
     def set_device(self, local_rank: int | None = None) -> torch.device:
@@ -389,10 +413,7 @@ class ParallelContext:
             NotLaunchedError: before launch, or a mode this rank has no group of.
             LayoutError: ``mode`` is not a parallel mode.
         """
-        try:
-            return self._local_ranks[mode]
-        except KeyError:
-            raise self._bad_mode(mode, "get_local_rank()") from None
+        return self._local_ranks[mode]
 
     def get_world_size(self, mode: ParallelMode | str) -> int:
         """Return the size of this rank's group of ``mode`` (1 for an unused axis).
@@ -401,10 +422,7 @@ class ParallelContext:
             NotLaunchedError: before launch, or a mode this rank has no group of.
             LayoutError: ``mode`` is not a parallel mode.
         """
-        try:
-            return self._world_sizes[mode]
-        except KeyError:
-            raise self._bad_mode(mode, "get_world_size()") from None
+        return self._world_sizes[mode]
 
     def get_group(self, mode: ParallelMode | str) -> Any:
         """Return this rank's process group of ``mode``; None for a mode of size 1.
@@ -413,10 +431,7 @@ class ParallelContext:
             NotLaunchedError: before launch, or a mode this rank has no group of.
             LayoutError: ``mode`` is not a parallel mode.
         """
-        try:
-            return self._groups[mode]
-        except KeyError:
-            raise self._bad_mode(mode, "get_group()") from None
+        return self._groups[mode]
 
     def get_cpu_group(self, mode: ParallelMode | str) -> Any:
         """Return the CPU (gloo) group beside ``mode``'s group; the group itself with gloo,
@@ -426,10 +441,7 @@ class ParallelContext:
             NotLaunchedError: before launch, or a mode this rank has no group of.
             LayoutError: ``mode`` is not a parallel mode.
         """
-        try:
-            return self._cpu_groups[mode]
-        except KeyError:
-            raise self._bad_mode(mode, "get_cpu_group()") from None
+        return self._cpu_groups[mode]
 
     def _view(self, mode: ParallelMode | str, what: str) -> ModeView:
         try:
@@ -469,13 +481,16 @@ class ParallelContext:
         return view.rank == view.size - 1
 
     def is_pipeline_first_stage(self) -> bool:
-        """Return True on the first pipeline stage."""
-        return self._view(ParallelMode.PIPELINE, "is_pipeline_first_stage()").rank == 0
+        """Return True on the first pipeline stage. Raises NotLaunchedError before launch."""
+        if self._first_stage is None:
+            raise self._not_launched("is_pipeline_first_stage()")
+        return self._first_stage
 
     def is_pipeline_last_stage(self) -> bool:
-        """Return True on the last pipeline stage."""
-        view = self._view(ParallelMode.PIPELINE, "is_pipeline_last_stage()")
-        return view.rank == view.size - 1
+        """Return True on the last pipeline stage. Raises NotLaunchedError before launch."""
+        if self._last_stage is None:
+            raise self._not_launched("is_pipeline_last_stage()")
+        return self._last_stage
 
     def get_next_global_rank(self, mode: ParallelMode | str) -> int:
         """Return the global rank after this one in its group of ``mode``, wrapping around."""
