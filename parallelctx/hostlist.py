@@ -47,9 +47,9 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
-def _expand_range(body: str, whole: str) -> list[str]:
-    """Expand the inside of one bracket group, e.g. ``001-003,010`` (zero padding kept)."""
-    out: list[str] = []
+def _ranges(body: str, whole: str) -> list[tuple[str, str | None]]:
+    """Check the inside of one bracket group and return its (low, high or None) items."""
+    items: list[tuple[str, str | None]] = []
     for item in body.split(","):
         match = _RANGE.match(item.strip())
         if not match:
@@ -57,12 +57,20 @@ def _expand_range(body: str, whole: str) -> list[str]:
                 f"host list {whole!r}: {item!r} in [{body}] is not a number or a range like 1-4"
             )
         lo_text, hi_text = match.group(1), match.group(2)
+        if hi_text is not None and int(hi_text) < int(lo_text):
+            raise HostlistError(f"host list {whole!r}: range {item!r} runs backwards; write {hi_text}-{lo_text}")
+        items.append((lo_text, hi_text))
+    return items
+
+
+def _expand_range(body: str, whole: str) -> list[str]:
+    """Expand the inside of one bracket group, e.g. ``001-003,010`` (zero padding kept)."""
+    out: list[str] = []
+    for lo_text, hi_text in _ranges(body, whole):
         if hi_text is None:
             out.append(lo_text)
             continue
         lo, hi = int(lo_text), int(hi_text)
-        if hi < lo:
-            raise HostlistError(f"host list {whole!r}: range {item!r} runs backwards; write {hi_text}-{lo_text}")
         width = len(lo_text)  # Slurm pads to the width of the lower bound: 08-10 -> 08, 09, 10
         out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
     return out
@@ -83,6 +91,22 @@ def _expand_name(name: str, whole: str) -> Iterator[str]:
         yield "".join(combo)
 
 
+def _validate(hostlist: str) -> list[str]:
+    """Check the whole list without expanding it; return its top-level entries."""
+    text = hostlist.strip()
+    if not text or text == "(null)":
+        raise HostlistError(f"host list {hostlist!r} is empty; expected e.g. 'node[01-04]'")
+    parts = [part.strip() for part in _split_top_level(text)]
+    for part in parts:
+        if not part:
+            raise HostlistError(f"host list {hostlist!r} has an empty entry (two commas in a row?)")
+        for match in re.finditer(r"\[([^\]]*)\]", part):
+            if not match.group(1).strip():
+                raise HostlistError(f"host list {hostlist!r}: empty brackets in {part!r}")
+            _ranges(match.group(1), hostlist)
+    return parts
+
+
 def iter_hostlist(hostlist: str) -> Iterator[str]:
     """Yield the host names of a Slurm host list, in order, one at a time.
 
@@ -90,13 +114,7 @@ def iter_hostlist(hostlist: str) -> Iterator[str]:
         HostlistError: the list is empty or malformed (unbalanced or nested brackets, a bad
             range, an empty entry); the message quotes the list and the bad part.
     """
-    text = hostlist.strip()
-    if not text or text == "(null)":
-        raise HostlistError(f"host list {hostlist!r} is empty; expected e.g. 'node[01-04]'")
-    for part in _split_top_level(text):
-        part = part.strip()
-        if not part:
-            raise HostlistError(f"host list {hostlist!r} has an empty entry (two commas in a row?)")
+    for part in _validate(hostlist):
         yield from _expand_name(part, hostlist)
 
 
@@ -115,8 +133,7 @@ def first_host(hostlist: str) -> str:
     Raises:
         HostlistError: the list is empty or malformed (the whole list is checked).
     """
-    _split_top_level(hostlist.strip())  # reject unbalanced brackets anywhere
-    return next(iter_hostlist(hostlist))
+    return next(_expand_name(_validate(hostlist)[0], hostlist))
 
 
 def expand_tasks_per_node(counts: str) -> list[int]:
