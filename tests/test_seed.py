@@ -14,7 +14,7 @@ from parallelctx.seed import mode_seed
     "kwargs",
     [
         dict(tensor=2, pipeline=3, context=2, expert=2, expert_tensor=1, order="tp-cp-ep-dp-pp"),
-        dict(tensor=2, pipeline=3, context=2, order="tp-pp-dp-cp-ep"),
+        dict(tensor=2, pipeline=3, order="tp-pp-dp"),
     ],
 )
 def test_formula_properties_over_a_world(kwargs: dict) -> None:
