@@ -26,7 +26,9 @@ def _measure_group(group: Any, world: int, rank: int) -> dict[str, Any]:
     size = dist.get_world_size(group)
     gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(gathered, torch.tensor([rank]), group=group)
+    backend = group._get_backend(torch.device("cpu"))
     return {
+        "timeout": backend.options._timeout.total_seconds(),
         "sum": onehot.tolist(),
         "order": [int(t.item()) for t in gathered],
         "group_rank": dist.get_rank(group),

@@ -92,6 +92,8 @@ def test_groups_proven_by_collectives(results, index: int) -> None:
                     # the group's own rank order is ascending global rank, and ours matches it
                     assert measured["order"] == expected
                     assert measured["group_rank"] == local
+                    # the config's timeout (120 s) reached the subgroup, as torch holds it
+                    assert measured["timeout"] == 120.0
         pipe = layout.group_of(ParallelMode.PIPELINE, rank)
         assert record["pipeline_first"] == (rank == pipe[0])
         assert record["pipeline_last"] == (rank == pipe[-1])
