@@ -234,9 +234,10 @@ def launch_from_openmpi(
     if found.world_size > 1 and (host is None or port is None):
         broadcast = _mpi4py_master(found)
         if broadcast is None:
-            missing = " and ".join(n for n, v in (("MASTER_ADDR", host), ("MASTER_PORT", port)) if v is None)
+            missing = [n for n, v in (("MASTER_ADDR", host), ("MASTER_PORT", port)) if v is None]
             raise _env.LaunchEnvError(
-                f"{found.launcher} gives no rendezvous address and {missing} is not set: export "
+                f"{found.launcher} gives no rendezvous address and {' and '.join(missing)} "
+                f"{'are' if len(missing) > 1 else 'is'} not set: export "
                 "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port> to every rank (mpirun -x "
                 "MASTER_ADDR -x MASTER_PORT, mpiexec -genv MASTER_ADDR ...), pass host= and port=, "
                 "or install mpi4py so that rank 0 can broadcast them"

@@ -1,0 +1,298 @@
+"""parallelctx under the real launchers (``make test-launchers``, marker ``launchers``).
+
+torchrun (standalone, and two "hosts" made of two ``unshare --uts`` halves), Open MPI's mpirun
+(one host and two fake hosts), MPICH's mpiexec (one host and two fake hosts), and a real Slurm
+cluster with two fake nodes (srun, sbatch + srun, the sbatch-without-srun refusal, torchrun
+inside srun, mpirun inside an allocation). Every rank runs tests/launchers/probe.py: it launches
+from the environment, proves its groups with collectives and writes what it found; the tests
+compare that with what the launcher was asked for.
+
+Packages are installed with apt-get when missing; the Slurm daemons are started by the
+``slurm`` fixture and stopped by PID when the module ends (also on failure). Every subprocess
+runs in its own session with a timeout and is killed, with its whole process group, after it.
+Needs root (apt-get, unshare).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from parallelctx.launch import free_port
+
+sys.path.insert(0, str(Path(__file__).parent / "launchers"))
+from cluster import SlurmCluster, ensure_packages  # noqa: E402
+
+pytestmark = pytest.mark.launchers
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+PROBE = HERE / "launchers" / "probe.py"
+FAKE_SSH = HERE / "launchers" / "fake_ssh.sh"
+PY = sys.executable
+RUN_TIMEOUT = float(os.environ.get("PARALLELCTX_LAUNCHER_TIMEOUT", "300"))
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_", "MPI_LOCAL")
+LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
+          "--mca", "btl_tcp_if_include", "lo"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def packages() -> None:
+    if os.geteuid() != 0:
+        pytest.fail("the launcher tests need root (apt-get, unshare); run them as root or in CI")
+    ensure_packages()
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    env.update(
+        GLOO_SOCKET_IFNAME="lo",  # the fake host names do not resolve to an interface
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PATH=f"{Path(PY).parent}:{env.get('PATH', '/usr/bin:/bin')}",
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+    )
+    env.update(extra)
+    return env
+
+
+def run(cmd: Sequence[str] | str, env: dict[str, str], timeout: float = RUN_TIMEOUT,
+        cleanup: Sequence[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session; on timeout kill its process group (and run ``cleanup``)."""
+    shell = isinstance(cmd, str)
+    proc = subprocess.Popen(cmd, shell=shell, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        if cleanup:
+            subprocess.run(list(cleanup), env=env, timeout=30, capture_output=True)
+        pytest.fail(f"{cmd} did not finish within {timeout} s; killed. Output:\n{out[-4000:]}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def results(out_dir: Path, world: int, output: str) -> list[dict[str, Any]]:
+    """Read every rank's probe result; fail with the launcher's output when one is missing."""
+    errors = [p.read_text() for p in out_dir.glob("error-*.txt")]
+    assert not errors, "a rank failed to launch:\n" + "\n".join(errors) + "\n" + output[-3000:]
+    files = sorted(out_dir.glob("rank-*.json"))
+    assert len(files) == world, f"{len(files)} of {world} ranks reported:\n{output[-4000:]}"
+    rows = [json.loads(f.read_text()) for f in files]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def check(rows: list[dict[str, Any]], launcher: str, world: int, per_node: Sequence[int],
+          hosts: Sequence[str] | None = None) -> None:
+    """The checks every launcher test makes on the gathered probe results.
+
+    ``per_node``: processes on each node in node order (the node of rank 0 first);
+    ``hosts``: the expected host names in that order, when they are known.
+    """
+    assert [r["rank"] for r in rows] == list(range(world))
+    for r in rows:
+        assert r["errors"] == [], (r["rank"], r["errors"])  # groups proven by collectives
+        assert r["launcher"] == launcher and r["world_size"] == world
+        assert r["num_nodes"] == len(per_node), (r["rank"], r["num_nodes"], per_node)
+        assert r["procs_on_node"] == per_node[r["node_rank"]], r
+        if r["detected"]["local_world_size"] is not None:  # the launcher's own count agrees
+            assert r["detected"]["local_world_size"] == r["procs_on_node"], r
+        if r["detected"]["num_nodes"] is not None:
+            assert r["detected"]["num_nodes"] == r["num_nodes"], r
+        if r["detected"]["local_rank"] is not None:
+            assert r["local_rank"] == r["detected"]["local_rank"]
+        # the detector's rank is the rank torch got: all-gathered (rank, local rank, host)
+        assert [g[0] for g in r["gathered"]] == list(range(world))
+    # local ranks are 0..k-1 on each host, and each host has its expected count
+    by_host: dict[str, list[int]] = {}
+    for r in rows:
+        by_host.setdefault(r["host"], []).append(r["local_rank"])
+    assert sorted(sorted(v) for v in by_host.values()) == sorted(list(range(n)) for n in per_node)
+    if hosts is not None:
+        assert list(dict.fromkeys(r["host"] for r in rows)) == list(hosts)
+    # tensor=2 groups are pairs of neighbouring ranks, proven by all-reduce
+    assert all(r["tensor_group"] == [r["rank"] // 2 * 2, r["rank"] // 2 * 2 + 1] for r in rows)
+
+
+# ------------------------------------------------------------------------------- torchrun
+
+
+def test_torchrun_standalone(tmp_path: Path) -> None:
+    out = run([str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
+               str(PROBE), str(tmp_path)], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path, 4, out.stdout), "torchrun", 4, [4])
+
+
+def test_torchrun_two_hosts(tmp_path: Path) -> None:
+    port = free_port()
+    name = uuid.uuid4().hex[:6]
+    halves = []
+    for node in (0, 1):
+        torchrun = (f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank {node} "
+                    f"--master-addr 127.0.0.1 --master-port {port} {PROBE} {tmp_path}")
+        halves.append(f"unshare --uts sh -c 'hostname host{node}-{name} && exec {torchrun}'")
+    out = run(f"{halves[0]} & {halves[1]} & wait %1 && wait %2", clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    rows = results(tmp_path, 4, out.stdout)
+    check(rows, "torchrun", 4, [2, 2], hosts=[f"host0-{name}", f"host1-{name}"])
+    assert [r["detected"]["node_rank"] for r in rows] == [0, 0, 1, 1]
+    assert [r["node_rank"] for r in rows] == [0, 0, 1, 1]
+
+
+# ------------------------------------------------------------------------------- MPI
+
+
+def test_mpirun_one_host(tmp_path: Path) -> None:
+    port = str(free_port())
+    out = run([*MPIRUN, "-np", "4", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+               "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH", PY, str(PROBE), str(tmp_path)], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path, 4, out.stdout), "openmpi", 4, [4])
+
+
+def test_mpirun_two_fake_hosts(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodeA slots=2\nnodeB slots=2\n")
+    port = str(free_port())
+    out = run([*MPIRUN, "-np", "4", "--hostfile", str(hostfile), "--mca", "plm_rsh_agent", str(FAKE_SSH),
+               "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", "-x", "GLOO_SOCKET_IFNAME",
+               PY, str(PROBE), str(tmp_path / "out")], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path / "out", 4, out.stdout), "openmpi", 4, [2, 2], hosts=["nodeA", "nodeB"])
+
+
+def test_mpirun_without_master_addr_fails_fast(tmp_path: Path) -> None:
+    start = time.monotonic()
+    out = run([*MPIRUN, "-np", "2", PY, str(PROBE), str(tmp_path)], clean_env(), timeout=180)
+    assert out.returncode != 0
+    errors = [p.read_text() for p in tmp_path.glob("error-*.txt")]
+    # mpirun ends the job when the first rank exits non-zero, so the other may not get to write
+    assert errors, out.stdout[-3000:]
+    assert all("MASTER_ADDR and MASTER_PORT are not set: export MASTER_ADDR" in e for e in errors), errors[0]
+    assert time.monotonic() - start < 120  # refused, not a wait for a rendezvous
+
+
+def test_mpiexec_mpich_one_host(tmp_path: Path) -> None:
+    port = str(free_port())
+    out = run(["mpiexec.mpich", "-n", "4", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", port,
+               PY, str(PROBE), str(tmp_path)], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path, 4, out.stdout), "mpich", 4, [4])
+
+
+def test_mpiexec_mpich_two_fake_hosts(tmp_path: Path) -> None:
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodeA:2\nnodeB:2\n")
+    port = str(free_port())
+    out = run(["mpiexec.mpich", "-n", "4", "-f", str(hostfile), "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH),
+               "-iface", "lo", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", port,
+               PY, str(PROBE), str(tmp_path / "out")], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path / "out", 4, out.stdout), "mpich", 4, [2, 2], hosts=["nodeA", "nodeB"])
+
+
+# ------------------------------------------------------------------------------- Slurm
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[SlurmCluster]:
+    cluster = SlurmCluster(nodes=2)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def slurm_run(cluster: SlurmCluster, cmd: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
+    """Run a Slurm client command under a unique job name, cancelling the job on timeout."""
+    name = f"pctx-{uuid.uuid4().hex[:8]}"
+    env = clean_env(**cluster.env)
+    return run([cmd[0], f"--job-name={name}", *cmd[1:]], env, timeout, cleanup=["scancel", "--name", name])
+
+
+def sbatch(cluster: SlurmCluster, args: list[str], tmp_path: Path, timeout: float = RUN_TIMEOUT) -> tuple[str, str]:
+    """Submit a batch job, poll until it ends; return (its final state line, its output)."""
+    env = clean_env(**cluster.env)
+    log = tmp_path / "job.out"
+    sub = run(["sbatch", "--parsable", f"--output={log}", *args], env, timeout=60)
+    assert sub.returncode == 0, sub.stdout
+    job = sub.stdout.strip().split(";")[0]
+    end = time.monotonic() + timeout
+    while True:
+        state = run(["scontrol", "show", "job", job], env, timeout=60).stdout
+        if "JobState=PENDING" not in state and "JobState=RUNNING" not in state and "JobState=COMPLETING" not in state:
+            break
+        if time.monotonic() > end:
+            subprocess.run(["scancel", job], env=env, timeout=30)
+            pytest.fail(f"batch job {job} did not end within {timeout} s:\n{cluster.logs()}")
+        time.sleep(0.2)
+    fields = " ".join(w for w in state.split() if w.startswith(("JobState=", "ExitCode=")))
+    return fields, log.read_text() if log.is_file() else ""
+
+
+def test_srun_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    # -N2 -n4 without --ntasks-per-node: Slurm puts 3 tasks on n1 and 1 on n2
+    out = slurm_run(slurm, ["srun", "-N2", "-n4", PY, str(PROBE), str(tmp_path)])
+    assert out.returncode == 0, out.stdout[-4000:] + slurm.logs()
+    rows = results(tmp_path, 4, out.stdout)
+    check(rows, "slurm", 4, [3, 1], hosts=["n1", "n2"])
+    assert {r["detected"]["master_addr"] for r in rows} == {"n1"}  # first host of the node list
+    assert [r["detected"]["node_rank"] for r in rows] == [0, 0, 0, 1]
+
+
+def test_sbatch_with_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    script = f"srun {shlex.quote(PY)} {PROBE} {tmp_path / 'out'}"
+    state, log = sbatch(slurm, ["-N2", "--ntasks-per-node=2", "--wrap", script], tmp_path)
+    assert "JobState=COMPLETED" in state and "ExitCode=0:0" in state, state + log[-3000:]
+    check(results(tmp_path / "out", 4, log), "slurm", 4, [2, 2], hosts=["n1", "n2"])
+
+
+def test_sbatch_without_srun_is_refused(slurm: SlurmCluster, tmp_path: Path) -> None:
+    start = time.monotonic()
+    script = f"{shlex.quote(PY)} {PROBE} {tmp_path / 'out'}"
+    state, log = sbatch(slurm, ["-N2", "--ntasks-per-node=2", "--wrap", script], tmp_path, timeout=180)
+    assert "JobState=FAILED" in state and "ExitCode=3:0" in state, state + log[-3000:]
+    assert "batch shell of Slurm job" in log and "Start the script with srun" in log, log[-3000:]
+    assert not list((tmp_path / "out").glob("rank-*.json"))
+    assert time.monotonic() - start < 150  # refused at once, not a wait for ranks
+
+
+def test_torchrun_inside_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    port = free_port()
+    torchrun = (f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank $SLURM_NODEID "
+                f"--master-addr 127.0.0.1 --master-port {port} {PROBE} {tmp_path}")
+    out = slurm_run(slurm, ["srun", "-N2", "--ntasks-per-node=1", "sh", "-c", torchrun])
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path, 4, out.stdout), "torchrun", 4, [2, 2], hosts=["n1", "n2"])
+
+
+def test_mpirun_inside_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
+    # mpirun starts its daemons through srun; the ranks also see that step's SLURM_PROCID (0,0,1,1)
+    port = str(free_port())
+    out = slurm_run(slurm, ["salloc", "-N2", "--ntasks-per-node=2", *MPIRUN, "-np", "4",
+                            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", "-x", "GLOO_SOCKET_IFNAME",
+                            PY, str(PROBE), str(tmp_path)])
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path, 4, out.stdout), "openmpi", 4, [2, 2], hosts=["n1", "n2"])
