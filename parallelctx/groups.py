@@ -4,34 +4,66 @@ Each rank creates only the groups it belongs to, with ``use_local_synchronizatio
 its cost is O(number of modes), not O(world size). Creation follows one rank-independent order
 (the order of :class:`ParallelMode`, EMBEDDING last), which torch needs: with local
 synchronization a group's name hashes its members *and* how many groups the process already
-made, so every member must have made the same groups before it.
+has, so every member must have made the same groups before it.
 
 * A mode of size 1 gets no process group.
 * A mode whose groups equal the whole world uses the default group.
 * Modes whose groups have identical members share one process group.
 * With an accelerator backend a gloo group is made beside each group, for object collectives
   and CPU barriers; with gloo the CPU group is the group itself.
+
+Limits of local synchronization, guarded here (see ``docs/performance.md``):
+
+* The MPI backend cannot synchronise locally, and a default group initialised eagerly
+  (``init_process_group(device_id=...)`` with NCCL) makes torch split every new communicator
+  from the world's with ``ncclCommSplit``, which every rank of the world must join. In both
+  cases every rank creates every group instead (O(world) calls, as Megatron-core does), and a
+  warning says so.
+* Names are not unique across a destroy: after ``gpc.destroy()`` on a default group that
+  parallelctx did not create, making the same groups again would give them the names of the
+  destroyed ones, and their members would meet on stale rendezvous keys (with gloo:
+  "connection refused" until the timeout). :func:`create_groups` raises a clear error instead.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from .layout import Layout, ParallelMode
 
-__all__ = ["ModeGroup", "create_groups", "creation_order"]
+__all__ = ["ModeGroup", "create_groups", "creation_order", "local_sync_blocker"]
+
+logger = logging.getLogger("parallelctx")
 
 
 @dataclass(frozen=True)
 class ModeGroup:
-    """This rank's group of one mode: members, and the process groups (None for size 1)."""
+    """This rank's group of one mode: members, and the process groups (None for size 1).
 
-    ranks: tuple[int, ...]
+    ``ranks`` is a ``range`` when the members are evenly spaced (the world, and every group
+    spanning one axis), so its size in memory and ``ranks.index(rank)`` do not grow with the
+    world; a tuple otherwise.
+    """
+
+    ranks: Sequence[int]
     group: dist.ProcessGroup | None
     cpu_group: dist.ProcessGroup | None
+
+
+def _compact(members: list[int]) -> Sequence[int]:
+    """Return evenly spaced ascending members as a ``range``, others as a tuple."""
+    if len(members) >= 2:
+        step = members[1] - members[0]
+        if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
+            return range(members[0], members[-1] + 1, step)
+    return tuple(members)
 
 
 def creation_order(layout: Layout) -> list[ParallelMode]:
@@ -42,6 +74,85 @@ def creation_order(layout: Layout) -> list[ParallelMode]:
     """
     modes = [m for m in layout.modes() if m is not ParallelMode.EMBEDDING]
     return modes + [ParallelMode.EMBEDDING]
+
+
+def local_sync_blocker() -> str | None:
+    """Return why this default group cannot create groups with local synchronization, or None.
+
+    Two cases: the MPI backend (torch raises for it), and a default group bound to a device at
+    init (eager NCCL initialisation), where torch creates every NCCL communicator by splitting
+    the world's, a collective that ranks outside the new group must join too.
+    """
+    backend = str(dist.get_backend())
+    if backend == "mpi":
+        return "the MPI backend cannot synchronise a new group locally"
+    bound = getattr(dist.group.WORLD, "bound_device_id", None)
+    if bound is not None and "nccl" in backend:
+        return (
+            f"the default group was initialised eagerly on {bound} (init_process_group(device_id=...)),"
+            " so torch splits every new NCCL communicator from the world's, which every rank must join"
+        )
+    return None
+
+
+# Names torch gives locally synchronized groups: a hash of (members, groups the process has).
+# Remembered per default group, to refuse re-creating a destroyed group under its old name.
+_names_owner: Any = None
+_names_used: set[tuple[tuple[int, ...], int]] = set()
+
+
+def _claim_name(members: Sequence[int]) -> None:
+    """Record the name torch is about to give a locally synchronized group of ``members``.
+
+    Raises:
+        RuntimeError: this process already made a group with these members under the same name
+            on this default group (it was destroyed since); the message says how to avoid it.
+    """
+    global _names_owner
+    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+    if names is None:  # a torch without this registry: nothing to check against
+        return
+    if _names_owner is not dist.group.WORLD:
+        _names_owner = dist.group.WORLD
+        _names_used.clear()
+    key = (tuple(members), len(names))
+    if key in _names_used:
+        raise RuntimeError(
+            f"parallelctx already made a process group of ranks {list(members)} on this default "
+            f"group while the process held {len(names)} groups, and destroyed it since; torch would "
+            "give the new group the old name, and its members would meet on stale rendezvous keys "
+            "(gloo: 'connection refused' until the timeout). Destroy and re-create the default "
+            "group too (let parallelctx own it: launch without calling init_process_group first), "
+            "or keep another process group alive across gpc.destroy() so the names differ"
+        )
+    _names_used.add(key)
+
+
+def _local_group(
+    members: Sequence[int], timeout: timedelta, backend: str | None, desc: str
+) -> dist.ProcessGroup:
+    """Create one group that only its members call for (local synchronization)."""
+    _claim_name(members)
+    return dist.new_group(
+        list(members),
+        timeout=timeout,
+        backend=backend,
+        use_local_synchronization=True,
+        group_desc=desc,
+    )
+
+
+def _group_everywhere(
+    layout: Layout, mode: ParallelMode, rank: int, timeout: timedelta, backend: str | None, desc: str
+) -> tuple[Any, int]:
+    """Create every group of ``mode`` on this rank (all ranks call); return (ours or None, calls)."""
+    mine = None
+    rows = layout.group_array(mode).tolist()
+    for row in rows:
+        group = dist.new_group(row, timeout=timeout, backend=backend, group_desc=desc)
+        if rank in row:
+            mine = group
+    return mine, len(rows)
 
 
 def create_groups(
@@ -61,45 +172,57 @@ def create_groups(
         (EMBEDDING on a middle pipeline stage) is left out.
 
     Raises:
-        RuntimeError: from torch, when a peer does not arrive within ``timeout``.
+        RuntimeError: from torch, when a peer does not arrive within ``timeout``; or a group
+            would reuse the name of one destroyed earlier (see :func:`_claim_name`).
     """
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
     default_group = dist.group.WORLD
     cpu_world = default_group
     calls = 0
+    blocker = local_sync_blocker() if layout.world_size > 1 else None
+    if blocker is not None:
+        logger.warning(
+            "parallelctx: %s; every rank creates every group instead (O(world size) calls per rank)",
+            blocker,
+        )
     if cpu_backend is not None and layout.world_size > 1:
         cpu_world = dist.new_group(backend=cpu_backend, timeout=timeout, group_desc="parallelctx_cpu_global")
         calls += 1
     made: dict[tuple, ModeGroup] = {}
     out: dict[ParallelMode, ModeGroup] = {}
     for mode in creation_order(layout):
-        members = tuple(layout.group_of(mode, rank))
-        if not members:
+        if mode is world:  # the default group, even in a world of one; O(1) members
+            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
             continue
         sig = layout.signature(mode)
-        if mode is world:  # the default group, even in a world of one
-            out[mode] = ModeGroup(members, default_group, cpu_world)
-        elif len(members) == 1:
-            out[mode] = ModeGroup(members, None, None)
-        elif sig == world_sig:
-            out[mode] = ModeGroup(members, default_group, cpu_world)
+        if sig == world_sig and layout.size(mode) == layout.world_size > 1:
+            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
+            continue
+        members = _compact(layout.group_of(mode, rank))
+        if layout.size(mode) == 1:
+            if members:
+                out[mode] = ModeGroup(members, None, None)
         elif sig in made:
-            out[mode] = made[sig]
-        else:
-            group = dist.new_group(
-                list(members), timeout=timeout, use_local_synchronization=True, group_desc=mode.value
-            )
+            if members:
+                out[mode] = made[sig]
+        elif blocker is not None:
+            # Every rank walks every group, members or not (EMBEDDING's middle stages too).
+            group, n = _group_everywhere(layout, mode, rank, timeout, None, mode.value)
+            calls += n
+            cpu_group = group
+            if cpu_backend is not None:
+                cpu_group, n = _group_everywhere(layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu")
+                calls += n
+            made[sig] = ModeGroup(members, group, cpu_group)
+            if members:
+                out[mode] = made[sig]
+        elif members:
+            group = _local_group(members, timeout, None, mode.value)
             calls += 1
             cpu_group = group
             if cpu_backend is not None:
-                cpu_group = dist.new_group(
-                    list(members),
-                    timeout=timeout,
-                    backend=cpu_backend,
-                    use_local_synchronization=True,
-                    group_desc=f"{mode.value}_cpu",
-                )
+                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu")
                 calls += 1
             made[sig] = out[mode] = ModeGroup(members, group, cpu_group)
     return out, calls
