@@ -17,6 +17,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LaunchEnvError, ParallelMode, SpawnError, gpc, init_dist, plan, spawn
@@ -193,7 +195,10 @@ def test_init_dist_launches(monkeypatch: pytest.MonkeyPatch, launcher: str, env:
         ctx = init_dist(launcher, config={"seed": 7}, timeout=timeout)
         assert ctx is gpc
         assert gpc.get_world_size(ParallelMode.GLOBAL) == 1 and gpc.local_rank == 0
-        assert gpc.get_seed(ParallelMode.GLOBAL) is not None and gpc.config.seed == 7
+        assert gpc.config.seed == 7
+        # the timeout reached torch: the default group's backend holds it
+        held = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout
+        assert held == (timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout))
     finally:
         gpc.destroy()
 
