@@ -1,0 +1,302 @@
+"""gpc.device_mesh: dimension names and order, groups reused (none made), DTensor over real ranks.
+
+The pure tests check :func:`parallelctx.mesh.mesh_plan` against the layout for many shapes.
+The multi-process tests (gloo) prove each mesh dimension's group by collectives and compare it
+with the pure layout in the parent, and shard tensors with DTensor over the mesh.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import parallelctx
+from parallelctx import LayoutError, ParallelMode, gpc, plan
+from parallelctx.mesh import MESH_DIMS, build_device_mesh, mesh_plan
+
+JOIN_TIMEOUT = 240.0
+
+
+# --------------------------------------------------------------------------- pure
+def test_default_order_dims_are_pp_dp_cp_tp() -> None:
+    p = mesh_plan(plan(16, tensor=2, pipeline=2, context=2))
+    assert p.dim_names == ("pp", "dp", "cp", "tp")
+    assert p.shape == (2, 2, 2, 2)
+    assert p.ranks.tolist() == np.arange(16).reshape(2, 2, 2, 2).tolist()
+    assert p.modes == (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.CONTEXT, ParallelMode.TENSOR)
+
+
+def test_internlm_order_puts_data_outermost() -> None:
+    p = mesh_plan(plan(8, tensor=2, pipeline=2, order="tp-pp-dp"))
+    assert p.dim_names == ("dp", "pp", "tp")
+    assert p.dim_groups(1) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # design.md's "tp-pp-dp" PIPELINE
+    assert p.dim_groups(0) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_size_one_axes_are_not_dimensions() -> None:
+    assert mesh_plan(plan(8, tensor=2, pipeline=2)).dim_names == ("pp", "dp", "tp")
+    assert mesh_plan(plan(8, tensor=8)).dim_names == ("tp",)
+    assert mesh_plan(plan(8)).dim_names == ("dp",)
+    assert mesh_plan(plan(8, context=4)).dim_names == ("dp", "cp")
+
+
+def test_world_of_one_is_a_one_rank_dp_mesh() -> None:
+    p = mesh_plan(plan(1))
+    assert (p.dim_names, p.shape, p.ranks.tolist()) == (("dp",), (1,), [0])
+    e = mesh_plan(plan(1), grid="expert")
+    assert (e.dim_names, e.modes) == (("edp",), (ParallelMode.EXPERT_DATA,))
+
+
+def test_expert_mesh_dims() -> None:
+    layout = plan(16, tensor=2, pipeline=2, expert=2, expert_tensor=1)
+    p = mesh_plan(layout, grid="expert")
+    assert p.dim_names == ("pp", "edp", "ep")  # expert_tensor=1 is dropped
+    assert p.shape == (2, 4, 2)
+
+
+def test_bad_grid_is_named() -> None:
+    with pytest.raises(LayoutError, match="grid='sparse'"):
+        mesh_plan(plan(4), grid="sparse")
+
+
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp", "dp-tp-cp-ep-pp", "pp-cp-dp-ep-tp"])
+def test_every_dimension_matches_the_layout(order: str) -> None:
+    checked = 0
+    for world in (1, 2, 8, 16, 24, 32, 48, 64):
+        for tp, pp, cp, ep, etp in itertools.product((1, 2, 4), repeat=5):
+            try:
+                layout = plan(world, tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp, order=order)
+            except LayoutError:
+                continue
+            for grid in ("dense", "expert"):
+                p = mesh_plan(layout, grid)
+                assert sorted(p.ranks.ravel().tolist()) == list(range(world))
+                enabled = [mode for _, mode in MESH_DIMS[grid].values() if layout.size(mode) > 1]
+                assert sorted(p.modes, key=str) == sorted(enabled, key=str) or (world == 1 and not enabled)
+                for dim, mode in enumerate(p.modes):
+                    assert p.dim_groups(dim) == layout.groups(mode), (layout.describe(), grid, mode)
+                # slowest first: strides along the dims decrease
+                strides = [layout.strides(grid)[t] for t in _tokens(p, grid)]
+                assert strides == sorted(strides, reverse=True)
+            checked += 1
+    assert checked > 50
+
+
+def _tokens(p: Any, grid: str) -> list[str]:
+    by_name = {name: token for token, (name, _) in MESH_DIMS[grid].items()}
+    return [by_name[name] for name in p.dim_names]
+
+
+# --------------------------------------------------------------------------- multi-process
+def _probe(group: Any, world: int, rank: int) -> tuple[list[int], list[int]]:
+    """Members of ``group`` by an all-reduce of one-hot vectors, and their group-rank order."""
+    onehot = torch.zeros(world, dtype=torch.int64)
+    onehot[rank] = 1
+    dist.all_reduce(onehot, group=group)
+    members = torch.nonzero(onehot).flatten().tolist() if int(onehot.max()) == 1 else [-1]
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, torch.tensor([rank]), group=group)
+    return members, [int(t) for t in gathered]
+
+
+def _full(rank: int, rows: int, cols: int) -> torch.Tensor:
+    """The tensor rank ``rank`` starts from: different on every rank, so the result shows whose
+    data a collective delivered."""
+    return torch.arange(rows * cols, dtype=torch.float64).reshape(rows, cols) + 1000.0 * rank
+
+
+def _mesh_worker(out_dir: str, expert_mesh: bool) -> None:
+    """Runs on every rank: build the meshes, probe every dimension, shard with DTensor."""
+    from torch.distributed.distributed_c10d import _world
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    rank = gpc.get_global_rank()
+    world = gpc.get_world_size(ParallelMode.GLOBAL)
+    groups_before = len(_world.pg_map)
+    mesh = gpc.device_mesh
+    meshes = {"dense": mesh}
+    if expert_mesh:
+        meshes["expert"] = build_device_mesh(gpc, grid="expert")
+    subs = {(grid, name): m[name] for grid, m in meshes.items() for name in m.mesh_dim_names}
+    groups_after = len(_world.pg_map)
+    out: dict[str, Any] = {
+        "rank": rank,
+        "groups_made": groups_after - groups_before,
+        "cached": gpc.device_mesh is mesh,
+        "dim_names": {grid: list(m.mesh_dim_names) for grid, m in meshes.items()},
+        "shape": {grid: list(m.shape) for grid, m in meshes.items()},
+        "coordinate": {grid: m.get_coordinate() for grid, m in meshes.items()},
+        "dims": {},
+    }
+    modes = {grid: dict(MESH_DIMS[grid].values()) for grid in meshes}
+    for (grid, name), sub in subs.items():
+        group = sub.get_group()
+        members, order = _probe(group, world, rank)
+        out["dims"][f"{grid}.{name}"] = {
+            "members": members,
+            "order": order,
+            "local_rank": meshes[grid].get_local_rank(name),
+            "is_gpc_group": group is gpc.get_group(modes[grid][name]),
+            "sub_mesh": sub.mesh.tolist(),
+        }
+    missing = []
+    for grid, m in meshes.items():
+        for name in ("tp", "cp", "etp"):
+            if name not in m.mesh_dim_names:
+                try:
+                    m[name]
+                except KeyError:
+                    missing.append(f"{grid}.{name}")
+    out["missing_raise_keyerror"] = missing
+
+    if "tp" in mesh.mesh_dim_names:
+        # DTensor over the tensor dimension: scatter from the tp group's first rank, all-gather
+        # back, and a sum that ends in an all-reduce over the same group.
+        tp_size = mesh["tp"].size()
+        dt = distribute_tensor(_full(rank, 4 * tp_size, 3), mesh["tp"], [Shard(0)])
+        out["tp_shard"] = dt.to_local().tolist()
+        out["tp_full"] = dt.full_tensor().tolist()
+        out["tp_sum"] = float(dt.sum().full_tensor())
+    # DTensor over the whole mesh: replicate over every dim but the last two, shard rows over
+    # the second-to-last (if any) and columns over the last.
+    names = mesh.mesh_dim_names
+    placements = [Replicate()] * len(names)
+    if len(names) >= 2:
+        placements[-2] = Shard(0)
+    placements[-1] = Shard(1)
+    out["nd_placements"] = [str(p) for p in placements]
+    rows, cols = 2 * mesh.shape[-2] if len(names) >= 2 else 2, 3 * mesh.shape[-1]
+    nd = distribute_tensor(_full(rank, rows, cols), mesh, placements)
+    out["nd_shard"] = nd.to_local().tolist()
+    out["nd_full"] = nd.full_tensor().tolist()
+    out["groups_made_after_dtensor"] = len(_world.pg_map) - groups_before
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def _run(tmp_path: Path, world: int, parallel: dict[str, Any], expert_mesh: bool) -> list[dict[str, Any]]:
+    parallelctx.spawn(
+        _mesh_worker,
+        world,
+        args=(str(tmp_path), expert_mesh),
+        config=dict(parallel=parallel),
+        backend="gloo",
+        timeout=120,
+        join_timeout=JOIN_TIMEOUT,
+    )
+    results = [json.loads(Path(tmp_path, f"rank{r}.json").read_text()) for r in range(world)]
+    assert [r["rank"] for r in results] == list(range(world))
+    return results
+
+
+def _check_dims(layout: Any, results: list[dict[str, Any]], grids: tuple[str, ...]) -> None:
+    for res in results:
+        rank = res["rank"]
+        assert res["groups_made"] == 0, "building or slicing the mesh created process groups"
+        assert res["groups_made_after_dtensor"] == 0, "DTensor over the mesh created process groups"
+        assert res["cached"]
+        for grid in grids:
+            p = mesh_plan(layout, grid)
+            assert tuple(res["dim_names"][grid]) == p.dim_names
+            assert tuple(res["shape"][grid]) == p.shape
+            where = [int(i) for i in np.argwhere(p.ranks == rank)[0]]
+            assert res["coordinate"][grid] == where
+            for name, mode in zip(p.dim_names, p.modes):
+                probe = res["dims"][f"{grid}.{name}"]
+                expected = layout.group_of(mode, rank)
+                assert probe["members"] == expected, (rank, grid, name)
+                assert probe["order"] == expected, (rank, grid, name)
+                assert probe["sub_mesh"] == expected
+                assert probe["local_rank"] == layout.local_rank(mode, rank)
+                assert probe["is_gpc_group"], f"{grid}.{name} is not gpc's {mode.value} group"
+
+
+def _check_dtensor(layout: Any, results: list[dict[str, Any]]) -> None:
+    p = mesh_plan(layout)
+    for res in results:
+        rank = res["rank"]
+        if "tp" in p.dim_names:
+            tp_group = layout.group_of(ParallelMode.TENSOR, rank)
+            src = _full(tp_group[0], 4 * len(tp_group), 3)
+            local = layout.local_rank(ParallelMode.TENSOR, rank)
+            assert res["tp_shard"] == src[4 * local : 4 * local + 4].tolist()
+            assert res["tp_full"] == src.tolist()
+            assert res["tp_sum"] == float(src.sum())
+        # Every dim scatters/broadcasts from its group's first rank: the data comes from the
+        # rank at mesh coordinate 0 on every dimension, global rank 0.
+        coord = [int(i) for i in np.argwhere(p.ranks == rank)[0]]
+        if len(p.shape) >= 2:
+            rows, cols = 2 * p.shape[-2], 3 * p.shape[-1]
+            r, c = coord[-2], coord[-1]
+            expected = _full(0, rows, cols)[2 * r : 2 * r + 2, 3 * c : 3 * c + 3]
+        else:
+            rows, cols = 2, 3 * p.shape[-1]
+            expected = _full(0, rows, cols)[:, 3 * coord[-1] : 3 * coord[-1] + 3]
+        assert res["nd_shard"] == expected.tolist(), rank
+        assert res["nd_full"] == _full(0, rows, cols).tolist()
+
+
+def test_device_mesh_default_order_8_ranks(tmp_path: Path) -> None:
+    parallel = dict(tensor=2, pipeline=2)
+    results = _run(tmp_path, 8, parallel, expert_mesh=False)
+    layout = plan(8, tensor=2, pipeline=2)
+    assert results[0]["dim_names"]["dense"] == ["pp", "dp", "tp"]
+    _check_dims(layout, results, ("dense",))
+    _check_dtensor(layout, results)
+    assert all(r["missing_raise_keyerror"] == ["dense.cp", "dense.etp"] for r in results)
+
+
+def test_device_mesh_other_order_and_expert_mesh_8_ranks(tmp_path: Path) -> None:
+    order = "tp-cp-ep-pp-dp"
+    parallel = dict(tensor=2, pipeline=2, expert=dict(size=2, tensor=1), order=order)
+    results = _run(tmp_path, 8, parallel, expert_mesh=True)
+    layout = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1, order=order)
+    assert results[0]["dim_names"] == {"dense": ["dp", "pp", "tp"], "expert": ["edp", "pp", "ep"]}
+    _check_dims(layout, results, ("dense", "expert"))
+    _check_dtensor(layout, results)
+    assert all("expert.etp" in r["missing_raise_keyerror"] for r in results)
+
+
+def test_device_mesh_over_the_world_group_2_ranks(tmp_path: Path) -> None:
+    # tensor spans the world: gpc's TENSOR group is the default group, and so is the mesh's.
+    results = _run(tmp_path, 2, dict(tensor=2), expert_mesh=False)
+    layout = plan(2, tensor=2)
+    assert results[0]["dim_names"]["dense"] == ["tp"]
+    _check_dims(layout, results, ("dense",))
+    _check_dtensor(layout, results)
+
+
+def _single_worker(out_dir: str) -> None:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = gpc.device_mesh
+    dt = distribute_tensor(_full(0, 4, 3), mesh["dp"], [Shard(0)])
+    Path(out_dir, "single.json").write_text(
+        json.dumps(
+            {
+                "names": list(mesh.mesh_dim_names),
+                "shape": list(mesh.shape),
+                "is_world": mesh.get_group() is dist.group.WORLD,
+                "local": dt.to_local().tolist(),
+            }
+        )
+    )
+
+
+def test_device_mesh_world_of_one(tmp_path: Path) -> None:
+    parallelctx.spawn(_single_worker, 1, args=(str(tmp_path),), config={}, backend="gloo", join_timeout=60)
+    res = json.loads(Path(tmp_path, "single.json").read_text())
+    assert res == {"names": ["dp"], "shape": [1], "is_world": True, "local": _full(0, 4, 3).tolist()}
+
+
+def test_device_mesh_before_launch_raises() -> None:
+    from parallelctx import NotLaunchedError
+
+    with pytest.raises(NotLaunchedError, match="device_mesh"):
+        gpc.device_mesh  # noqa: B018
