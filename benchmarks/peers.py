@@ -1,0 +1,178 @@
+"""The three libraries under test, behind one small interface.
+
+Each ``setup_*`` function builds the tensor x pipeline (x data) layout on top of an existing
+default process group and returns a :class:`Built`: the process groups this rank belongs to
+(to run a first collective in each), the query statements to time, and a teardown that
+destroys the groups it made so the next library starts from the same state.
+
+Megatron-core and DeviceMesh are imported lazily, so parallelctx alone needs neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+LIBS: tuple[str, ...] = ("parallelctx", "megatron", "devicemesh")
+"""Library names, in the order of the table."""
+
+
+@dataclass
+class Query:
+    """One timed query: ``stmt`` evaluated with ``env`` as globals (see :mod:`timeit`)."""
+
+    name: str
+    stmt: str
+    env: dict[str, Any]
+
+
+@dataclass
+class Built:
+    """What one library made on this rank."""
+
+    groups: list[Any]
+    queries: list[Query]
+    teardown: Callable[[], None]
+    calls: int = 0
+    member_groups: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def count_new_groups() -> Iterator[list[int]]:
+    """Count the process groups this rank asks torch to make while the block runs.
+
+    Yields a one-element list ``[calls]``, filled when the block exits. Every public way to make
+    a group (``new_group``, ``new_subgroups*``, DeviceMesh) goes through
+    ``distributed_c10d._new_group_with_tag``; ``split_group`` is counted too.
+    """
+    counter = [0]
+    wrapped = {name: getattr(c10d, name) for name in ("_new_group_with_tag", "split_group")}
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            counter[0] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in wrapped.items():
+        setattr(c10d, name, wrap(fn))
+    try:
+        yield counter
+    finally:
+        for name, fn in wrapped.items():
+            setattr(c10d, name, fn)
+
+
+_SPACERS: list[Any] = []
+
+
+def _distinct_groups(groups: list[Any]) -> list[Any]:
+    """Drop None, the default group and repeats; keep the first-seen order."""
+    seen: set[int] = set()
+    out = []
+    for g in groups:
+        if g is None or g is dist.group.WORLD or g is c10d.GroupMember.NON_GROUP_MEMBER:
+            continue
+        if id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out
+
+
+def _destroy(groups: list[Any]) -> None:
+    for g in _distinct_groups(groups):
+        dist.destroy_process_group(g)
+
+
+def setup_parallelctx(tensor: int, pipeline: int) -> Built:
+    """Launch ``gpc`` on the existing default group (config, adopt, create groups)."""
+    from parallelctx import ParallelMode, gpc
+
+    gpc.load_config({"parallel": {"tensor": tensor, "pipeline": pipeline}})
+    gpc.init_global_dist(dist.get_rank(), dist.get_world_size())
+    gpc.init_parallel_groups()
+    groups = _distinct_groups([gpc.get_group(m) for m in ParallelMode if gpc.is_initialized(m)])
+    tensor_mode = ParallelMode.TENSOR
+    queries = [
+        Query("get_local_rank(mode)", "f(m)", {"f": gpc.get_local_rank, "m": tensor_mode}),
+        Query("get_world_size(mode)", "f(m)", {"f": gpc.get_world_size, "m": tensor_mode}),
+        Query("get_group(mode)", "f(m)", {"f": gpc.get_group, "m": tensor_mode}),
+        Query("gpc.tensor.rank", "g.tensor.rank", {"g": gpc}),
+        Query(
+            "get_local_rank(ParallelMode.TENSOR)",
+            "gpc.get_local_rank(ParallelMode.TENSOR)",
+            {"gpc": gpc, "ParallelMode": ParallelMode},
+        ),
+        Query("get_local_rank('tensor')", "gpc.get_local_rank('tensor')", {"gpc": gpc}),
+    ]
+
+    def teardown() -> None:
+        gpc.destroy()
+        # torch names a locally synchronized group by its members and the number of groups the
+        # process holds; re-creating the same groups on this default group after a destroy
+        # would reuse the names (parallelctx refuses). One singleton group per rank, kept alive,
+        # shifts that number so the next round gets fresh names.
+        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+
+    return Built(groups, queries, teardown, calls=gpc.group_creations, member_groups=len(groups))
+
+
+def setup_megatron(tensor: int, pipeline: int) -> Built:
+    """Megatron-core's ``initialize_model_parallel`` on the existing default group.
+
+    ``create_gloo_process_groups=False``: with gloo as the main backend its extra gloo data
+    groups would duplicate the main ones, so leaving them out is the setting kindest to Megatron.
+    """
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor,
+        pipeline_model_parallel_size=pipeline,
+        create_gloo_process_groups=False,
+    )
+    groups = _distinct_groups(list(ps._global_process_group_list or []))
+
+    def teardown() -> None:
+        _destroy(groups)
+        ps.destroy_model_parallel()
+
+    queries = [
+        Query("get_tensor_model_parallel_rank()", "f()", {"f": ps.get_tensor_model_parallel_rank}),
+        Query(
+            "get_tensor_model_parallel_world_size()",
+            "f()",
+            {"f": ps.get_tensor_model_parallel_world_size},
+        ),
+        Query("get_tensor_model_parallel_group()", "f()", {"f": ps.get_tensor_model_parallel_group}),
+    ]
+    return Built(groups, queries, teardown, member_groups=len(groups))
+
+
+def setup_devicemesh(tensor: int, pipeline: int) -> Built:
+    """``init_device_mesh("cpu", (pp, dp, tp))`` with dims named ``pp``, ``dp``, ``tp``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    data = world // (tensor * pipeline)
+    mesh = init_device_mesh("cpu", (pipeline, data, tensor), mesh_dim_names=("pp", "dp", "tp"))
+    groups = _distinct_groups(mesh.get_all_groups())
+    queries = [
+        Query('mesh.get_local_rank("tp")', 'm.get_local_rank("tp")', {"m": mesh}),
+        Query("mesh.size(2)  # tp dim", "m.size(2)", {"m": mesh}),
+        Query('mesh.get_group("tp")', 'm.get_group("tp")', {"m": mesh}),
+    ]
+    return Built(groups, queries, lambda: _destroy(groups), member_groups=len(groups))
+
+
+SETUP: dict[str, Callable[[int, int], Built]] = {
+    "parallelctx": setup_parallelctx,
+    "megatron": setup_megatron,
+    "devicemesh": setup_devicemesh,
+}

@@ -1,0 +1,50 @@
+"""Smoke test of the benchmarks: each runs once at a tiny size, so that none can rot.
+
+Asserts only that they run and print their tables; timings never decide a pass or fail.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("matplotlib")
+
+
+def test_benchmarks_run_once_and_print_tables(tmp_path: Path) -> None:
+    """The whole entry point at world 4, one round, two small simulated worlds."""
+    cmd = [
+        sys.executable, "-m", "benchmarks.run", "--worlds", "4", "--repeats", "1",
+        "--query-calls", "2000", "--sim-worlds", "64", "1024", "--sim-repeats", "1",
+        "--timeout", "240", "--out", str(tmp_path), "--no-install",
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    for heading in ("## Start-up", "## Queries", "## Simulated start-up"):
+        assert heading in out
+    for lib in ("parallelctx", "Megatron-core", "DeviceMesh"):
+        assert f"| {lib} |" in out
+    assert "get_tensor_model_parallel_rank()" in out and 'mesh.get_local_rank("tp")' in out
+    results = (tmp_path / "RESULTS.md").read_text()
+    assert "python -m benchmarks.run --worlds 4" in results
+    assert (tmp_path / "startup.png").stat().st_size > 0
+
+
+def test_simulated_sizes_divide_the_world() -> None:
+    """The simulated layouts shrink the wanted sizes until they divide the world."""
+    from benchmarks.simulate import sizes_for
+    from parallelctx import plan
+
+    for world in (4, 64, 1024, 131072):
+        sizes = sizes_for(world)
+        plan(world, **sizes)  # raises if they do not fit
+    assert sizes_for(131072) == {"tensor": 8, "pipeline": 16, "context": 2, "expert": 8}
