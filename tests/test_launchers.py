@@ -15,6 +15,7 @@ Needs root (apt-get, unshare).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shlex
@@ -71,24 +72,38 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _end(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
+    """SIGTERM the process group (srun and mpirun pass it on to their tasks), SIGKILL after ``grace`` s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+
+
 def run(cmd: Sequence[str] | str, env: dict[str, str], timeout: float = RUN_TIMEOUT,
         cleanup: Sequence[str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` in its own session; on timeout kill its process group (and run ``cleanup``)."""
+    """Run ``cmd`` in its own session. On timeout (or an interrupt) end its process group and
+    run ``cleanup`` (e.g. scancel of the job)."""
     shell = isinstance(cmd, str)
     proc = subprocess.Popen(cmd, shell=shell, env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=30)
+    except BaseException as exc:
+        _end(proc)
         if cleanup:
             subprocess.run(list(cleanup), env=env, timeout=30, capture_output=True)
-        pytest.fail(f"{cmd} did not finish within {timeout} s; killed. Output:\n{out[-4000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            out = proc.stdout.read() if proc.stdout else ""
+            pytest.fail(f"{cmd} did not finish within {timeout} s; killed. Output:\n{out[-4000:]}")
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
@@ -193,6 +208,25 @@ def test_mpirun_without_master_addr_fails_fast(tmp_path: Path) -> None:
     assert time.monotonic() - start < 120  # refused, not a wait for a rendezvous
 
 
+@pytest.fixture(scope="module")
+def mpi4py_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """mpi4py (binary wheel) in a folder of its own, so the project's venv stays as it is."""
+    target = tmp_path_factory.mktemp("mpi4py")
+    out = run([PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary=:all:",
+               "-c", str(ROOT / "requirements" / "constraints.txt"), "--target", str(target), "mpi4py"],
+              clean_env(), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    return target
+
+
+def test_mpirun_mpi4py_broadcasts_the_master(tmp_path: Path, mpi4py_dir: Path) -> None:
+    # no MASTER_ADDR/MASTER_PORT: rank 0 sends its host name and a free port over MPI
+    out = run([*MPIRUN, "-np", "4", "-x", "GLOO_SOCKET_IFNAME", "-x", "PYTHONPATH", PY, str(PROBE), str(tmp_path)],
+              clean_env(PYTHONPATH=str(mpi4py_dir)))
+    assert out.returncode == 0, out.stdout[-4000:]
+    check(results(tmp_path, 4, out.stdout), "openmpi", 4, [4])
+
+
 def test_mpiexec_mpich_one_host(tmp_path: Path) -> None:
     port = str(free_port())
     out = run(["mpiexec.mpich", "-n", "4", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", port,
@@ -215,14 +249,25 @@ def test_mpiexec_mpich_two_fake_hosts(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------- Slurm
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="module")
 def slurm() -> Iterator[SlurmCluster]:
     cluster = SlurmCluster(nodes=2)
-    cluster.start()
+    # stop the daemons on every exit: normal teardown, an exception, SIGTERM/SIGHUP (turned into
+    # KeyboardInterrupt, so finalizers and atexit run); a SIGKILLed run is cleaned by the next start
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    atexit.register(cluster.stop)
     try:
+        cluster.start()
         yield cluster
     finally:
         cluster.stop()
+        atexit.unregister(cluster.stop)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def slurm_run(cluster: SlurmCluster, cmd: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:

@@ -264,9 +264,25 @@ class SlurmCluster:
             parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-tail:]))
         return "\n".join(parts)
 
+    def cancel_jobs(self, timeout: float = 30) -> None:
+        """Cancel every job of this cluster and wait (up to ``timeout`` s) until none is left,
+        so that no task outlives the daemons."""
+        env = {**os.environ, **self.env}
+        try:
+            _run(["scancel", "--full", "--user", "root"], timeout=30, env=env)
+            end = time.monotonic() + timeout
+            while time.monotonic() < end:
+                if not _run(["squeue", "-h", "-o", "%i"], timeout=30, env=env).stdout.strip():
+                    return
+                time.sleep(0.2)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+
     def stop(self) -> None:
-        """Stop every daemon this cluster recorded (slurmds, slurmctld, then munged) by PID,
-        remove its /etc/hosts line. Safe to call twice or before :meth:`start`."""
+        """Cancel this cluster's jobs, stop every daemon it recorded (slurmds, slurmctld, then
+        munged) by PID, remove its /etc/hosts line. Safe to call twice or before :meth:`start`."""
+        if self.pids_file.is_file() and self.conf.is_file():
+            self.cancel_jobs()
         if self.pids_file.is_file():
             for line in reversed(self.pids_file.read_text().splitlines()):
                 name, _, pid = line.partition(" ")
