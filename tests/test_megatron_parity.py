@@ -7,8 +7,11 @@ divisibility ``RuntimeError``\\ s, the order-string ``RuntimeError`` that ``Rank
 raises, the "pp last or equal data sizes" assert and the equal-pipeline-groups assert of
 ``initialize_model_parallel``. parallelctx must raise :class:`LayoutError` for exactly those.
 
-Everything here is pure function calls, so the whole grid runs in seconds. megatron-core is a
-hard requirement of the test extra, never skipped: without it this module fails to import.
+The grid is pure function calls, so it runs in seconds. One more test starts 4 gloo ranks, runs
+Megatron's own ``initialize_model_parallel`` beside parallelctx on the same default group and
+checks every row of docs/migration.md's Megatron table: getter against its stated equivalent.
+megatron-core is a hard requirement of the test extra, never skipped: without it this module
+fails to import.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -301,3 +305,120 @@ def test_rejection_is_layout_error_with_values() -> None:
             point.plan()
         for part in _expected_message_parts(point, kind):
             assert part in str(info.value), (part, str(info.value))
+
+
+# --------------------------------------------------------------------------- real processes
+def _group_ranks(group: Any) -> list[int]:
+    """Members of a process group (None, parallelctx's size-1 group, is this rank alone)."""
+    import torch.distributed as dist
+
+    return [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
+
+
+def _migration_rows() -> dict[str, tuple[Any, Any]]:
+    """docs/migration.md's Megatron table: row -> (Megatron's answer, parallelctx's), as thunks."""
+    from megatron.core import parallel_state as ps
+
+    from parallelctx import gpc
+
+    M = ParallelMode
+    rows: dict[str, tuple[Any, Any]] = {}
+    pairs = {
+        "tensor": (ps.get_tensor_model_parallel_group, ps.get_tensor_model_parallel_rank, ps.get_tensor_model_parallel_world_size, M.TENSOR),
+        "pipeline": (ps.get_pipeline_model_parallel_group, ps.get_pipeline_model_parallel_rank, ps.get_pipeline_model_parallel_world_size, M.PIPELINE),
+        "data": (ps.get_data_parallel_group, ps.get_data_parallel_rank, ps.get_data_parallel_world_size, M.DATA),
+        "context": (ps.get_context_parallel_group, ps.get_context_parallel_rank, ps.get_context_parallel_world_size, M.CONTEXT),
+        "expert": (ps.get_expert_model_parallel_group, ps.get_expert_model_parallel_rank, ps.get_expert_model_parallel_world_size, M.EXPERT),
+        "expert_tensor": (ps.get_expert_tensor_parallel_group, ps.get_expert_tensor_parallel_rank, ps.get_expert_tensor_parallel_world_size, M.EXPERT_TENSOR),
+        "expert_data": (ps.get_expert_data_parallel_group, ps.get_expert_data_parallel_rank, ps.get_expert_data_parallel_world_size, M.EXPERT_DATA),
+    }
+    for name, (group, rank, size, mode) in pairs.items():
+        rows[f"{name}.group"] = (lambda g=group: _group_ranks(g()), lambda m=mode: _group_ranks(gpc.get_group(m)))
+        rows[f"{name}.rank"] = (rank, lambda m=mode: gpc.get_local_rank(m))
+        rows[f"{name}.size"] = (size, lambda m=mode: gpc.get_world_size(m))
+    rows["data_context.group"] = (
+        lambda: _group_ranks(ps.get_data_parallel_group(with_context_parallel=True)),
+        lambda: _group_ranks(gpc.get_group(M.DATA_CONTEXT)),
+    )
+    rows["data_context.rank"] = (lambda: ps.get_data_parallel_rank(with_context_parallel=True), lambda: gpc.get_local_rank(M.DATA_CONTEXT))
+    rows["data_context.size"] = (lambda: ps.get_data_parallel_world_size(with_context_parallel=True), lambda: gpc.get_world_size(M.DATA_CONTEXT))
+    rows["data.gloo"] = (lambda: _group_ranks(ps.get_data_parallel_group_gloo()), lambda: _group_ranks(gpc.get_cpu_group(M.DATA)))
+    rows["expert_data.gloo"] = (lambda: _group_ranks(ps.get_expert_data_parallel_group_gloo()), lambda: _group_ranks(gpc.get_cpu_group(M.EXPERT_DATA)))
+    rows["model.group"] = (lambda: _group_ranks(ps.get_model_parallel_group()), lambda: _group_ranks(gpc.get_group(M.MODEL)))
+    rows["embedding.in"] = (ps.is_rank_in_embedding_group, lambda: gpc.is_initialized(M.EMBEDDING))
+    rows["embedding.group"] = (
+        lambda: _group_ranks(ps.get_embedding_group()) if ps.is_rank_in_embedding_group() else None,
+        lambda: _group_ranks(gpc.get_group(M.EMBEDDING)) if gpc.is_initialized(M.EMBEDDING) else None,
+    )
+    rows["tensor_and_expert.group"] = (
+        lambda: _group_ranks(ps.get_expert_tensor_and_model_parallel_group()),
+        lambda: _group_ranks(gpc.get_group(M.EXPERT_TENSOR_AND_EXPERT)),
+    )
+    rows["expert_model.group"] = (
+        lambda: _group_ranks(ps.get_expert_tensor_model_pipeline_parallel_group()),
+        lambda: _group_ranks(gpc.get_group(M.EXPERT_MODEL)),
+    )
+    rows["context.ranks"] = (ps.get_context_parallel_global_ranks, lambda: gpc.get_ranks_in_group(M.CONTEXT))
+    rows["tensor.src"] = (ps.get_tensor_model_parallel_src_rank, lambda: gpc.get_ranks_in_group(M.TENSOR)[0])
+    rows["data.src"] = (ps.get_data_parallel_src_rank, lambda: gpc.get_ranks_in_group(M.DATA)[0])
+    rows["model.src"] = (ps.get_model_parallel_src_rank, lambda: gpc.get_ranks_in_group(M.MODEL)[0])
+    rows["pipeline.first"] = (ps.get_pipeline_model_parallel_first_rank, lambda: gpc.get_ranks_in_group(M.PIPELINE)[0])
+    rows["pipeline.last"] = (ps.get_pipeline_model_parallel_last_rank, lambda: gpc.get_ranks_in_group(M.PIPELINE)[-1])
+    rows["pipeline.next"] = (ps.get_pipeline_model_parallel_next_rank, lambda: gpc.get_next_global_rank(M.PIPELINE))
+    rows["pipeline.prev"] = (ps.get_pipeline_model_parallel_prev_rank, lambda: gpc.get_prev_global_rank(M.PIPELINE))
+    rows["pipeline.is_first"] = (ps.is_pipeline_first_stage, gpc.is_pipeline_first_stage)
+    rows["pipeline.is_last"] = (ps.is_pipeline_last_stage, gpc.is_pipeline_last_stage)
+    return rows
+
+
+MIGRATION_SIZES = dict(tensor=2, pipeline=2, expert=2, expert_tensor=1)
+
+
+def _migration_worker(out_dir: str) -> None:
+    """Every rank: build Megatron's groups beside parallelctx's on the same default group and
+    answer each row of the migration table both ways."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    warnings.simplefilter("ignore")
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=MIGRATION_SIZES["tensor"],
+        pipeline_model_parallel_size=MIGRATION_SIZES["pipeline"],
+        expert_model_parallel_size=MIGRATION_SIZES["expert"],
+        expert_tensor_parallel_size=MIGRATION_SIZES["expert_tensor"],
+    )
+    try:
+        answers = {row: [theirs(), ours()] for row, (theirs, ours) in _migration_rows().items()}
+    finally:
+        ps.destroy_model_parallel()
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(answers))
+
+
+def test_migration_table_against_megatron_getters_4_ranks(tmp_path: Any) -> None:
+    import json
+    from pathlib import Path
+
+    import parallelctx
+
+    parallel = dict(
+        tensor=MIGRATION_SIZES["tensor"],
+        pipeline=MIGRATION_SIZES["pipeline"],
+        expert=dict(size=MIGRATION_SIZES["expert"], tensor=MIGRATION_SIZES["expert_tensor"]),
+    )
+    parallelctx.spawn(
+        _migration_worker, 4, args=(str(tmp_path),), config=dict(parallel=parallel), backend="gloo", timeout=120, join_timeout=300
+    )
+    layout = plan(4, **MIGRATION_SIZES)
+    for rank in range(4):
+        answers = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert len(answers) == 41
+        wrong = {row: pair for row, pair in answers.items() if pair[0] != pair[1]}
+        assert not wrong, f"rank {rank}: Megatron and parallelctx disagree: {wrong}"
+        # and the answers are the real layout, not two equal mistakes
+        assert answers["tensor.group"][1] == layout.group_of(ParallelMode.TENSOR, rank)
+        assert answers["expert.group"][1] == layout.group_of(ParallelMode.EXPERT, rank)
+        assert answers["embedding.group"][1] == (layout.group_of(ParallelMode.EMBEDDING, rank) or None)
