@@ -90,11 +90,17 @@ def startup_run(world: int, lazy: bool, args: argparse.Namespace, tmp: Path) -> 
     return json.loads(out.read_text())
 
 
-def sim_run(world: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One process of :mod:`benchmarks.simulate`; return its JSON."""
+def sim_run(lib: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One process of :mod:`benchmarks.simulate`; return its JSON.
+
+    The peers get at most 2 repeats: their start-up grows with the world (seconds at 131,072).
+    """
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "benchmarks.simulate", "--world", str(world), "--repeats", str(args.sim_repeats)]
-    print(f"simulated start-up: world {world:,} ...", flush=True)
+    repeats = args.sim_repeats if lib == report.PCTX else min(args.sim_repeats, 2)
+    cmd = [
+        sys.executable, "-m", "benchmarks.simulate", "--world", str(world), "--repeats", str(repeats), "--lib", lib,
+    ]
+    print(f"simulated start-up: {lib}, world {world:,} ...", flush=True)
     out = run_command(cmd, env, args.timeout)
     return json.loads(out.strip().splitlines()[-1])
 
@@ -159,8 +165,12 @@ on {now}: Python {platform.python_version()}, torch {torch.__version__}, megatro
   the enum attribute lookup included (in Python 3.11 `ParallelMode.TENSOR` alone costs about
   100 ns, through `EnumType.__getattr__`), and `get_local_rank('tensor')` the plain string.
 - **Simulated** start-up: one process acts as the last rank of each world with torch's `fake`
-  backend and `FakeStore`; start-up is config, adopting the default group, plan and creating
-  this rank's groups (median of the repeats after one warm-up); peak memory is tracemalloc's
+  backend and `FakeStore` (no connections: this isolates the per-rank bookkeeping that grows
+  with the world); for parallelctx start-up is config, adopting the default group, plan and
+  creating this rank's groups; for Megatron-core `initialize_model_parallel(tp, pp, cp, ep,
+  create_gloo_process_groups=False)`; for DeviceMesh `init_device_mesh("cpu", (pp, dp, cp,
+  tp))` (it has no expert axis). Median of the repeats after one warm-up (peers: 2 repeats,
+  their start-up takes seconds at the largest sizes); peak memory is tracemalloc's
   peak during one start-up (Python allocations, numpy's included). The layout column times
   `plan` plus `group_array` of every mode for the whole world; converting every group to Python
   lists is timed apart.
@@ -192,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     modes = {"both": (False, True), "eager": (False,), "lazy": (True,)}[args.gloo]
     with tempfile.TemporaryDirectory(prefix="parallelctx-bench-") as tmp:
         runs = [startup_run(w, lazy, args, Path(tmp)) for w in args.worlds for lazy in modes]
-    sims = [sim_run(w, args) for w in args.sim_worlds]
+    sim_libs = [lib for lib in args.libs.split(",") if lib]
+    sims = [sim_run(lib, w, args) for lib in sim_libs for w in args.sim_worlds]
     tables = (
         "## Start-up, torchrun on this machine\n\n" + report.startup_table(runs)
         + "\n## Queries (ns per call, rank 0)\n\n" + report.query_table(runs)

@@ -1,6 +1,6 @@
 """Simulated start-up of one rank in a huge world, in this process only.
 
-    python -m benchmarks.simulate --world 131072 --repeats 5
+    python -m benchmarks.simulate --world 131072 --repeats 5 [--lib megatron|devicemesh]
 
 torch's ``"fake"`` backend with the in-process ``FakeStore`` lets this process act as one
 rank of a world of any size: ``new_group`` does its bookkeeping but no other process is
@@ -50,33 +50,76 @@ def sizes_for(world: int) -> dict[str, int]:
     return s
 
 
-def _start_up(rank: int, world: int, sizes: dict[str, int]) -> int:
-    from parallelctx import gpc
-
-    gpc.load_config({"parallel": {k: v for k, v in sizes.items()}})
-    gpc.init_global_dist(rank, world)
-    gpc.init_parallel_groups()
-    return gpc.group_creations
+LIBS = ("parallelctx", "megatron", "devicemesh")
 
 
-def _tear_down(rank: int) -> None:
-    from parallelctx import gpc
+def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
+    """Build ``lib``'s groups for ``sizes`` on this (fake) rank; return the new_group calls."""
+    from .peers import count_new_groups
 
-    gpc.destroy()
-    # A kept singleton group shifts torch's group count, so the next start-up gets fresh names
-    # (parallelctx refuses to re-create a destroyed group under its old name).
-    _SPACERS.append(dist.new_group([rank], use_local_synchronization=True))
+    with count_new_groups() as counter:
+        if lib == "parallelctx":
+            from parallelctx import gpc
+
+            gpc.load_config({"parallel": dict(sizes)})
+            gpc.init_global_dist(rank, world)
+            gpc.init_parallel_groups()
+        elif lib == "megatron":
+            from megatron.core import parallel_state as ps
+
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=sizes["tensor"],
+                pipeline_model_parallel_size=sizes["pipeline"],
+                context_parallel_size=sizes["context"],
+                expert_model_parallel_size=sizes["expert"],
+                create_gloo_process_groups=False,
+            )
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            t, p, c = sizes["tensor"], sizes["pipeline"], sizes["context"]
+            _MESHES.append(
+                init_device_mesh("cpu", (p, world // (t * p * c), c, t), mesh_dim_names=("pp", "dp", "cp", "tp"))
+            )
+    return counter[0]
+
+
+def _tear_down(lib: str, rank: int) -> None:
+    """Undo :func:`_start_up` as far as the next round needs."""
+    if lib == "parallelctx":
+        from parallelctx import gpc
+
+        gpc.destroy()
+        # A kept singleton group shifts torch's group count, so the next start-up gets fresh
+        # names (parallelctx refuses to re-create a destroyed group under its old name).
+        _SPACERS.append(dist.new_group([rank], use_local_synchronization=True))
+    elif lib == "megatron":
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    else:
+        _MESHES.clear()
+
+
+_MESHES: list[Any] = []
 
 
 _SPACERS: list[Any] = []
 
 
-def simulate(world: int, repeats: int, rank: int | None = None) -> dict[str, Any]:
-    """Simulate one rank's start-up in a world of ``world`` ranks; return the measurements.
+def simulate(world: int, repeats: int, lib: str = "parallelctx", rank: int | None = None) -> dict[str, Any]:
+    """Simulate one rank's start-up with ``lib`` in a world of ``world`` ranks; return the
+    measurements.
 
     ``rank`` defaults to the last rank (last pipeline stage, so it holds an embedding group).
-    Needs a process where torch.distributed is not initialised yet; leaves it initialised.
+    DeviceMesh gets the dense axes only (pp, dp, cp, tp): it has no expert axis. Needs a
+    process where torch.distributed is not initialised yet; leaves it initialised.
+
+    Raises:
+        ValueError: ``lib`` is not one of :data:`LIBS`.
     """
+    if lib not in LIBS:
+        raise ValueError(f"lib={lib!r}; valid: {', '.join(LIBS)}")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from parallelctx.layout import ParallelMode, plan
@@ -89,14 +132,14 @@ def simulate(world: int, repeats: int, rank: int | None = None) -> dict[str, Any
     times, calls = [], 0
     for _ in range(repeats + 1):  # the first start-up warms imports and caches: dropped
         t = time.perf_counter()
-        calls = _start_up(rank, world, sizes)
+        calls = _start_up(lib, rank, world, sizes)
         times.append(time.perf_counter() - t)
-        _tear_down(rank)
+        _tear_down(lib, rank)
     tracemalloc.start()
-    _start_up(rank, world, sizes)
+    _start_up(lib, rank, world, sizes)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    _tear_down(rank)
+    _tear_down(lib, rank)
 
     t = time.perf_counter()
     layout = plan(world, **sizes)
@@ -106,6 +149,7 @@ def simulate(world: int, repeats: int, rank: int | None = None) -> dict[str, Any
     lists = [a.tolist() for a in arrays]
     lists_s = time.perf_counter() - t
     return {
+        "lib": lib,
         "world_size": world,
         "rank": rank,
         "sizes": sizes,
@@ -126,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--lib", choices=LIBS, default="parallelctx")
     args = parser.parse_args(argv)
-    print(json.dumps(simulate(args.world, args.repeats)))
+    print(json.dumps(simulate(args.world, args.repeats, args.lib)))
     return 0
 
 
