@@ -1,7 +1,10 @@
 """Slurm's compressed host lists and task counts, parsed in Python (no ``scontrol`` needed).
 
 * :func:`expand_hostlist` turns ``"node[001-003,010],gpu-a[1-2]b[0-1]"`` into the host names,
-  in Slurm's order (left to right; within one name the last bracket group varies fastest).
+  in Slurm's order (left to right; within one name the last bracket group varies fastest),
+  with Slurm's zero padding (the width of a range's lower bound: ``[08-10]`` -> 08, 09, 10).
+  It gives what ``scontrol show hostnames`` gives for every list Slurm accepts, and also
+  accepts text after the last bracket (``node[1-2]-ib``), which Slurm 22.05 rejects.
 * :func:`first_host` returns the first of them without expanding the rest.
 * :func:`expand_tasks_per_node` turns ``"2(x3),1"`` (``SLURM_TASKS_PER_NODE``) into ``[2, 2, 2, 1]``.
 
@@ -97,9 +100,10 @@ def _validate(hostlist: str) -> list[str]:
     if not text or text == "(null)":
         raise HostlistError(f"host list {hostlist!r} is empty; expected e.g. 'node[01-04]'")
     parts = [part.strip() for part in _split_top_level(text)]
+    parts = [part for part in parts if part]  # Slurm skips empty entries: "a,,b" is a, b
+    if not parts:
+        raise HostlistError(f"host list {hostlist!r} names no host; expected e.g. 'node[01-04]'")
     for part in parts:
-        if not part:
-            raise HostlistError(f"host list {hostlist!r} has an empty entry (two commas in a row?)")
         for match in re.finditer(r"\[([^\]]*)\]", part):
             if not match.group(1).strip():
                 raise HostlistError(f"host list {hostlist!r}: empty brackets in {part!r}")

@@ -27,6 +27,12 @@ from parallelctx.hostlist import HostlistError, expand_hostlist, expand_tasks_pe
         ("node-1.cluster.org,node-2.cluster.org", ["node-1.cluster.org", "node-2.cluster.org"]),
         ("c[9-10],c[1,5-6]", ["c9", "c10", "c1", "c5", "c6"]),
         ("  n[1-2]  ", ["n1", "n2"]),
+        ("a,,b", ["a", "b"]),  # Slurm skips empty entries
+        ("a,", ["a"]),
+        ("n[1-2][3-4]", ["n13", "n14", "n23", "n24"]),
+        ("n[1,1]", ["n1", "n1"]),
+        ("node[1-010]", [f"node{i}" for i in range(1, 11)]),  # width of the lower bound
+        ("node[1-2]-ib", ["node1-ib", "node2-ib"]),  # beyond Slurm 22.05, which rejects it
     ],
 )
 def test_expand(text: str, hosts: list[str]) -> None:
@@ -52,8 +58,8 @@ def test_large_list_first_host_is_cheap() -> None:
         ("n[a-b]", "'a-b'"),
         ("n[3-1]", "backwards"),
         ("n[1-]", "'1-'"),
-        ("a,,b", "empty entry"),
-        ("a,", "empty entry"),
+        (",", "names no host"),
+        (" , ", "names no host"),
         ("n[1-2],m[1", "never closed"),
     ],
 )

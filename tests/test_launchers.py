@@ -149,6 +149,26 @@ def check(rows: list[dict[str, Any]], launcher: str, world: int, per_node: Seque
     assert all(r["tensor_group"] == [r["rank"] // 2 * 2, r["rank"] // 2 * 2 + 1] for r in rows)
 
 
+# ------------------------------------------------------------------------------- host lists
+
+SLURM_HOSTLISTS = [
+    "n[1-2]", "node[001-004,010],gpu-a[1-2]", "gpu-a[1-2]b[0-1]", "rack[1-2]-n[01-02]", "node[08-11]",
+    "node[1-010]", "n[01-2]", "n[001-2]", "c[9-10],c[1,5-6]", "node[007]", "a,,b", "a, b", "x[1-2]y[5]",
+    "[1-2]", "n[1,1]", "n[1-2][3-4]", "solo", "h1,h2,h3",
+]
+
+
+def test_hostlist_parser_agrees_with_scontrol(tmp_path: Path) -> None:
+    from parallelctx.hostlist import expand_hostlist
+
+    conf = tmp_path / "slurm.conf"
+    conf.write_text("ClusterName=x\nSlurmctldHost=localhost\n")  # scontrol parses it; no daemon needed
+    for hostlist in SLURM_HOSTLISTS:
+        out = run(["scontrol", "show", "hostnames", hostlist], clean_env(SLURM_CONF=str(conf)), timeout=60)
+        assert out.returncode == 0 and "Invalid" not in out.stdout, (hostlist, out.stdout)
+        assert expand_hostlist(hostlist) == out.stdout.split(), hostlist
+
+
 # ------------------------------------------------------------------------------- torchrun
 
 
