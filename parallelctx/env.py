@@ -246,10 +246,10 @@ def slurm_port(job_id: int, step_id: int = 0) -> int:
 def _batch_shell_error(rd: _Reader, ntasks: int) -> LaunchEnvError:
     job = rd.get("SLURM_JOB_ID") or rd.get("SLURM_JOBID") or "?"
     return LaunchEnvError(
-        f"this is the batch shell of Slurm job {job} (SLURM_NTASKS={ntasks}, no SLURM_STEP_ID): one "
-        f"process, but the job asks for {ntasks} tasks, so the other ranks would never come. "
-        f"Start the script with srun inside the batch script (srun python train.py), or run it "
-        f"with --ntasks=1"
+        f"this is the batch shell of Slurm job {job}, or its salloc shell (SLURM_NTASKS={ntasks}, no "
+        f"SLURM_STEP_ID): one process, but the job asks for {ntasks} tasks, so the other ranks would "
+        f"never come. Start the script with srun (srun python train.py, also inside the batch "
+        f"script), or run it with --ntasks=1"
     )
 
 
@@ -263,16 +263,16 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
     SLURM_NODELIST (parsed in Python). Port: MASTER_PORT, else :func:`slurm_port` of the job id.
 
     Returns:
-        The :class:`LaunchEnv`, or None when SLURM_PROCID is not set, or in a batch shell of a
-        one-task job (then this is a world of one) (unless ``required``).
+        The :class:`LaunchEnv`, or None outside Slurm (neither SLURM_PROCID nor SLURM_JOB_ID),
+        or in the batch or salloc shell of a one-task job (a world of one) (unless ``required``).
 
     Raises:
-        LaunchEnvError: a batch shell (no SLURM_STEP_ID) of a job with more than one task, where
-            only srun can start the ranks; a variable missing, not an integer or out of range;
+        LaunchEnvError: a batch or salloc shell (no SLURM_STEP_ID) of a job with more than one
+            task, where only srun can start the ranks; a variable missing, not an integer or out of range;
             a node list that does not parse or disagrees with the node count.
     """
     env = os.environ if env is None else env
-    if "SLURM_PROCID" not in env and not required:
+    if not required and "SLURM_PROCID" not in env and "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
         return None
     rd = _Reader(env, SLURM_HINT)
     step = rd.first("SLURM_STEP_ID", "SLURM_STEPID")
@@ -344,8 +344,8 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
        inside srun or sbatch is torchrun, not Slurm);
     2. MPI: OMPI_COMM_WORLD_RANK, MV2_COMM_WORLD_RANK or PMI_RANK, inside or outside Slurm
        (``mpirun`` inside an allocation also sets SLURM_PROCID, with the wrong values);
-    3. a Slurm step: SLURM_PROCID with SLURM_STEP_ID (a batch shell of a job with more than one
-       task is refused: start the script with srun);
+    3. a Slurm step: SLURM_PROCID with SLURM_STEP_ID (the batch or salloc shell of a job with
+       more than one task, which has no SLURM_STEP_ID, is refused: start the script with srun);
     4. otherwise a world of one.
 
     Returns:

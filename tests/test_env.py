@@ -161,8 +161,14 @@ def test_slurm_port_spreads_jobs_and_steps() -> None:
 
 
 def test_sbatch_without_srun_is_refused() -> None:
-    with pytest.raises(LaunchEnvError, match=r"batch shell of Slurm job 17 .*Start the script with srun"):
+    with pytest.raises(LaunchEnvError, match=r"batch shell of Slurm job 17, .*Start the script with srun"):
         detect(batch_shell_env())
+    # the shell salloc -N2 --ntasks-per-node=2 opens has no SLURM_PROCID either (seen on the test cluster)
+    salloc = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_NTASKS_PER_NODE": "2",
+              "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2"}
+    with pytest.raises(LaunchEnvError, match=r"salloc shell \(SLURM_NTASKS=4, no SLURM_STEP_ID\)"):
+        detect(salloc)
+    assert detect({"SLURM_JOB_ID": "2", "SLURM_JOB_NODELIST": "n1"}).launcher == "none"  # salloc -N1
     # a one-task batch job running python directly is a world of one
     one = {**batch_shell_env(), "SLURM_NTASKS": "1", "SLURM_NPROCS": "1"}
     assert detect(one).launcher == "none"

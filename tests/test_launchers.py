@@ -344,6 +344,13 @@ def test_sbatch_without_srun_is_refused(slurm: SlurmCluster, tmp_path: Path) -> 
     assert time.monotonic() - start < 150  # refused at once, not a wait for ranks
 
 
+def test_salloc_shell_without_srun_is_refused(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = slurm_run(slurm, ["salloc", "-N2", "--ntasks-per-node=2", PY, str(PROBE), str(tmp_path)], timeout=180)
+    assert out.returncode == 3, out.stdout[-3000:]
+    assert "or its salloc shell (SLURM_NTASKS=4, no SLURM_STEP_ID)" in out.stdout, out.stdout[-3000:]
+    assert not list(tmp_path.glob("rank-*.json"))
+
+
 def test_torchrun_inside_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
     port = free_port()
     torchrun = (f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank $SLURM_NODEID "
