@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LayoutError, ParallelMode, gpc, plan
-from parallelctx.mesh import MESH_DIMS, build_device_mesh, mesh_plan
+from parallelctx.mesh import MESH_DIMS, MeshError, build_device_mesh, mesh_plan
 
 JOIN_TIMEOUT = 240.0
 
@@ -61,6 +61,12 @@ def test_expert_mesh_dims() -> None:
     assert p.shape == (2, 4, 2)
 
 
+def test_docs_expert_mesh_example_with_pp_before_dp() -> None:
+    layout = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1, order="tp-cp-ep-pp-dp")
+    assert mesh_plan(layout).dim_names == ("dp", "pp", "tp")
+    assert mesh_plan(layout, grid="expert").dim_names == ("edp", "pp", "ep")
+
+
 def test_bad_grid_is_named() -> None:
     with pytest.raises(LayoutError, match="grid='sparse'"):
         mesh_plan(plan(4), grid="sparse")
@@ -92,6 +98,36 @@ def test_every_dimension_matches_the_layout(order: str) -> None:
 def _tokens(p: Any, grid: str) -> list[str]:
     by_name = {name: token for token, (name, _) in MESH_DIMS[grid].items()}
     return [by_name[name] for name in p.dim_names]
+
+
+class _StubContext:
+    """Just what build_device_mesh reads from gpc, with groups chosen by the test."""
+
+    def __init__(self, layout: Any, rank: int, groups: dict[ParallelMode, Any]) -> None:
+        self.layout, self._rank, self._groups = layout, rank, groups
+        self.device = torch.device("cpu")
+
+    def get_global_rank(self) -> int:
+        return self._rank
+
+    def get_group(self, mode: ParallelMode) -> Any:
+        return self._groups.get(mode)
+
+
+def test_a_group_that_does_not_match_the_mesh_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # rank 3 of W=8, tensor 2, pipeline 2: its tp slice is [2, 3]; pretend torch's group holds [3, 5].
+    layout = plan(8, tensor=2, pipeline=2)
+    groups = {mode: object() for mode in (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.TENSOR)}
+    members = {id(groups[ParallelMode.PIPELINE]): [3, 7], id(groups[ParallelMode.DATA]): [1, 3], id(groups[ParallelMode.TENSOR]): [3, 5]}
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: members[id(g)])
+    with pytest.raises(MeshError, match=r"tensor group of rank 3 holds ranks \[3, 5\].*'tp' through rank 3 is \[2, 3\]"):
+        build_device_mesh(_StubContext(layout, 3, groups))  # type: ignore[arg-type]
+
+
+def test_a_missing_group_is_refused() -> None:
+    layout = plan(8, tensor=2, pipeline=2)
+    with pytest.raises(MeshError, match="'pp' \\(pipeline, size 2\\) has no process group on rank 0"):
+        build_device_mesh(_StubContext(layout, 0, {}))  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- multi-process
@@ -242,25 +278,28 @@ def _check_dtensor(layout: Any, results: list[dict[str, Any]]) -> None:
         assert res["nd_full"] == _full(0, rows, cols).tolist()
 
 
-def test_device_mesh_default_order_8_ranks(tmp_path: Path) -> None:
-    parallel = dict(tensor=2, pipeline=2)
-    results = _run(tmp_path, 8, parallel, expert_mesh=False)
-    layout = plan(8, tensor=2, pipeline=2)
-    assert results[0]["dim_names"]["dense"] == ["pp", "dp", "tp"]
-    _check_dims(layout, results, ("dense",))
-    _check_dtensor(layout, results)
-    assert all(r["missing_raise_keyerror"] == ["dense.cp", "dense.etp"] for r in results)
+EIGHT = dict(tensor=2, pipeline=2, expert=dict(size=2, tensor=1))  # default order
 
 
-def test_device_mesh_other_order_and_expert_mesh_8_ranks(tmp_path: Path) -> None:
-    order = "tp-cp-ep-pp-dp"
-    parallel = dict(tensor=2, pipeline=2, expert=dict(size=2, tensor=1), order=order)
-    results = _run(tmp_path, 8, parallel, expert_mesh=True)
-    layout = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1, order=order)
-    assert results[0]["dim_names"] == {"dense": ["dp", "pp", "tp"], "expert": ["edp", "pp", "ep"]}
-    _check_dims(layout, results, ("dense", "expert"))
-    _check_dtensor(layout, results)
-    assert all("expert.etp" in r["missing_raise_keyerror"] for r in results)
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """One 8-rank gloo run shared by the tests below (each spawn costs 8 torch start-ups)."""
+    return _run(tmp_path_factory.mktemp("mesh8"), 8, EIGHT, expert_mesh=True)
+
+
+EIGHT_LAYOUT = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1)
+
+
+def test_every_mesh_dimension_is_its_group_8_ranks(eight_ranks: list[dict[str, Any]]) -> None:
+    assert eight_ranks[0]["dim_names"] == {"dense": ["pp", "dp", "tp"], "expert": ["pp", "edp", "ep"]}
+    _check_dims(EIGHT_LAYOUT, eight_ranks, ("dense", "expert"))
+    assert all(
+        r["missing_raise_keyerror"] == ["dense.cp", "dense.etp", "expert.tp", "expert.cp", "expert.etp"] for r in eight_ranks
+    )
+
+
+def test_dtensor_over_the_tp_mesh_8_ranks(eight_ranks: list[dict[str, Any]]) -> None:
+    _check_dtensor(EIGHT_LAYOUT, eight_ranks)
 
 
 def test_device_mesh_over_the_world_group_2_ranks(tmp_path: Path) -> None:
