@@ -83,7 +83,7 @@ class _Reader:
                 return name, value  # type: ignore[return-value]
         return None
 
-    def int(self, *names: str) -> int:
+    def req_int(self, *names: str) -> int:
         found = self.first(*names)
         if found is None:
             raise LaunchEnvError(f"{' / '.join(names)} is not set; {self.hint}")
@@ -156,7 +156,7 @@ def from_torchrun(env: Mapping[str, str] | None = None, required: bool = False) 
         return None
     rd = _Reader(env, TORCHRUN_HINT)
     rd.get("TORCHELASTIC_RUN_ID")
-    rank, world, local = rd.int("RANK"), rd.int("WORLD_SIZE"), rd.int("LOCAL_RANK")
+    rank, world, local = rd.req_int("RANK"), rd.req_int("WORLD_SIZE"), rd.req_int("LOCAL_RANK")
     local_world = rd.opt_int("LOCAL_WORLD_SIZE")
     node, nodes = rd.opt_int("GROUP_RANK"), rd.opt_int("GROUP_WORLD_SIZE")
     addr, port = _master(rd)
@@ -205,7 +205,7 @@ def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> La
         if rank_var not in env:
             continue
         rd = _Reader(env, MPI_HINT)
-        rank, world = rd.int(rank_var), rd.int(size_var)
+        rank, world = rd.req_int(rank_var), rd.req_int(size_var)
         local, local_world = rd.opt_int(local_var), rd.opt_int(local_size_var)
         addr, port = _master(rd)
         _check(launcher, rank, world, local, local_world, None, None,
@@ -283,9 +283,9 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
         if not required:
             return None
         raise LaunchEnvError(f"SLURM_STEP_ID is not set: this process was not started by srun; {SLURM_HINT}")
-    rank = rd.int("SLURM_PROCID")
-    world = rd.int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
-    local = rd.int("SLURM_LOCALID")
+    rank = rd.req_int("SLURM_PROCID")
+    world = rd.req_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
+    local = rd.req_int("SLURM_LOCALID")
     node = rd.opt_int("SLURM_NODEID")
     nodes = rd.opt_int("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
     local_world = None

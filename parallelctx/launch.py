@@ -369,7 +369,7 @@ def _worker_failure(error_dir: str, index: int, node_rank: int, rank: int, what:
             exc = pickle.loads(path.read_bytes())
         except Exception:
             exc = None
-        if isinstance(exc, BaseException):
+        if isinstance(exc, BaseException) and hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(f"raised in spawned {where}; the worker's traceback:\n{what}")
             return exc
     return SpawnError(f"{where} failed:\n{what}", rank)
