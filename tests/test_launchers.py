@@ -242,7 +242,7 @@ def mpi4py_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_mpirun_mpi4py_broadcasts_the_master(tmp_path: Path, mpi4py_dir: Path) -> None:
     # no MASTER_ADDR/MASTER_PORT: rank 0 sends its host name and a free port over MPI
     out = run([*MPIRUN, "-np", "4", "-x", "GLOO_SOCKET_IFNAME", "-x", "PYTHONPATH", PY, str(PROBE), str(tmp_path)],
-              clean_env(PYTHONPATH=str(mpi4py_dir)))
+              clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(mpi4py_dir), os.environ.get("PYTHONPATH")]))))
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path, 4, out.stdout), "openmpi", 4, [4])
 
