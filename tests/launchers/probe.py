@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--entry", default="env", choices=["env", "slurm", "mpi", "torch"])
-    parser.add_argument("--timeout", type=float, default=120.0, help="distributed timeout (s)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="distributed timeout (s)")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
