@@ -119,12 +119,12 @@ def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
 def _through(plan: MeshPlan, dim: int, rank: int) -> list[int]:
     """The ranks along dimension ``dim`` through ``rank``, in mesh order."""
     where = tuple(int(i) for i in np.argwhere(plan.ranks == rank)[0])
-    index = list(where)
+    index: list[int | slice] = list(where)
     index[dim] = slice(None)
     return plan.ranks[tuple(index)].tolist()
 
 
-def build_device_mesh(ctx: "ParallelContext", grid: str = "dense") -> "DeviceMesh":
+def build_device_mesh(ctx: ParallelContext, grid: str = "dense") -> DeviceMesh:
     """Build a ``DeviceMesh`` over ``ctx``'s existing process groups (no group is created).
 
     ``gpc.device_mesh`` calls this once with ``grid="dense"`` and keeps the result; the

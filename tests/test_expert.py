@@ -97,7 +97,17 @@ def _valid_layouts() -> list[Any]:
         for world in (4, 8, 16, 32, 48):
             for tp, pp, cp, ep, etp in itertools.product((1, 2, 4), repeat=5):
                 try:
-                    out.append(plan(world, tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp, order=order))
+                    out.append(
+                        plan(
+                            world,
+                            tensor=tp,
+                            pipeline=pp,
+                            context=cp,
+                            expert=ep,
+                            expert_tensor=etp,
+                            order=order,
+                        )
+                    )
                 except LayoutError:
                     pass
     return out
@@ -108,7 +118,10 @@ LAYOUTS = _valid_layouts()
 
 def test_invariants_cover_many_layouts() -> None:
     assert len(LAYOUTS) > 300
-    assert sum(1 for lay in LAYOUTS if lay.expert > 1 and lay.pipeline > 1 and lay.expert_tensor != lay.tensor) > 20
+    assert (
+        sum(1 for lay in LAYOUTS if lay.expert > 1 and lay.pipeline > 1 and lay.expert_tensor != lay.tensor)
+        > 20
+    )
 
 
 def test_expert_sizes_and_partitions() -> None:
@@ -150,11 +163,15 @@ def test_expert_modes_are_orthogonal_and_compose() -> None:
         for rank in range(lay.world_size):
             ete = set(lay.group_of(ParallelMode.EXPERT_TENSOR_AND_EXPERT, rank))
             assert ete == {
-                r for e in lay.group_of(ParallelMode.EXPERT, rank) for r in lay.group_of(ParallelMode.EXPERT_TENSOR, e)
+                r
+                for e in lay.group_of(ParallelMode.EXPERT, rank)
+                for r in lay.group_of(ParallelMode.EXPERT_TENSOR, e)
             }
             model = set(lay.group_of(ParallelMode.EXPERT_MODEL, rank))
             assert model == {
-                r for p in lay.group_of(ParallelMode.PIPELINE, rank) for r in lay.group_of(ParallelMode.EXPERT_TENSOR_AND_EXPERT, p)
+                r
+                for p in lay.group_of(ParallelMode.PIPELINE, rank)
+                for r in lay.group_of(ParallelMode.EXPERT_TENSOR_AND_EXPERT, p)
             }
 
 
@@ -169,7 +186,13 @@ def test_expert_grid_resplits_each_pipeline_stage_with_the_same_order() -> None:
             )
             assert {lay.coords(r)["pp"] for r in stage_members} == {c["pp"]}
             # rank = sum(coord * stride) in the expert grid, strides from the same order string
-            assert rank == c["etp"] * strides["tp"] + c["ep"] * strides["ep"] + c["edp"] * strides["dp"] + c["pp"] * strides["pp"]
+            assert (
+                rank
+                == c["etp"] * strides["tp"]
+                + c["ep"] * strides["ep"]
+                + c["edp"] * strides["dp"]
+                + c["pp"] * strides["pp"]
+            )
         tokens = [t for t in lay.tokens if t != "cp"]
         assert [strides[t] for t in tokens] == sorted(strides[t] for t in tokens)
 
@@ -179,7 +202,10 @@ def test_expert_grid_resplits_each_pipeline_stage_with_the_same_order() -> None:
     ("kwargs", "parts"),
     [
         (dict(world_size=8, tensor=2, expert=8), ["expert=8", "world_size=8", "16"]),
-        (dict(world_size=12, pipeline=2, expert=4, expert_tensor=1), ["expert=4", "pipeline=2", "world_size=12"]),
+        (
+            dict(world_size=12, pipeline=2, expert=4, expert_tensor=1),
+            ["expert=4", "pipeline=2", "world_size=12"],
+        ),
         (dict(world_size=8, expert=0), ["expert=0"]),
         (dict(world_size=8, expert_tensor=-1), ["expert_tensor=-1"]),
         (dict(world_size=8, expert=2, order="tp-dp-pp"), ["order='tp-dp-pp'", "'ep'", "expert size is 2"]),
@@ -198,7 +224,20 @@ def test_expert_errors_name_the_values(kwargs: dict[str, Any], parts: list[str])
 
 
 # --------------------------------------------------------------------------- CLI
-CLI_ARGS = ["plan", "--world-size", "16", "--tensor", "2", "--pipeline", "2", "--expert", "2", "--expert-tensor", "1", "--json"]
+CLI_ARGS = [
+    "plan",
+    "--world-size",
+    "16",
+    "--tensor",
+    "2",
+    "--pipeline",
+    "2",
+    "--expert",
+    "2",
+    "--expert-tensor",
+    "1",
+    "--json",
+]
 
 
 def test_cli_plan_json_prints_expert_modes(capsys: pytest.CaptureFixture[str]) -> None:
@@ -207,7 +246,9 @@ def test_cli_plan_json_prints_expert_modes(capsys: pytest.CaptureFixture[str]) -
     layout = plan(16, tensor=2, pipeline=2, expert=2, expert_tensor=1)
     for mode in EXPERT_MODES:
         assert printed[mode.value] == layout.groups(mode)
-    assert {"expert", "expert_tensor", "expert_data", "expert_tensor_and_expert", "expert_model"} <= set(printed)
+    assert {"expert", "expert_tensor", "expert_data", "expert_tensor_and_expert", "expert_model"} <= set(
+        printed
+    )
     assert printed["expert_data"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
 
 
@@ -225,11 +266,17 @@ def test_cli_bad_expert_size_exits_2_naming_it(capsys: pytest.CaptureFixture[str
 
 def test_python_m_parallelctx_plan_expert_json() -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "parallelctx", *CLI_ARGS], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "parallelctx", *CLI_ARGS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
-    assert printed["expert_model"] == plan(16, tensor=2, pipeline=2, expert=2, expert_tensor=1).groups("expert_model")
+    assert printed["expert_model"] == plan(16, tensor=2, pipeline=2, expert=2, expert_tensor=1).groups(
+        "expert_model"
+    )
 
 
 # --------------------------------------------------------------------------- real ranks
@@ -246,7 +293,9 @@ def _expert_worker(out_dir: str) -> None:
     # expert-data gradient reduction: the sum of the global ranks of the expert-data group
     grad = torch.tensor([float(rank)])
     dist.all_reduce(grad, group=gpc.get_group(ParallelMode.EXPERT_DATA))
-    views = {mode.value: [getattr(gpc, mode.value).rank, getattr(gpc, mode.value).size] for mode in EXPERT_MODES}
+    views = {
+        mode.value: [getattr(gpc, mode.value).rank, getattr(gpc, mode.value).size] for mode in EXPERT_MODES
+    }
     result = {"rank": rank, "probed": probed, "a2a": recv.tolist(), "grad": grad.item(), "views": views}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
 
@@ -254,7 +303,13 @@ def _expert_worker(out_dir: str) -> None:
 def test_expert_groups_on_8_ranks(tmp_path: Path) -> None:
     parallel = dict(tensor=2, pipeline=2, expert=dict(size=2, tensor=1))
     parallelctx.spawn(
-        _expert_worker, 8, args=(str(tmp_path),), config=dict(parallel=parallel), backend="gloo", timeout=120, join_timeout=240
+        _expert_worker,
+        8,
+        args=(str(tmp_path),),
+        config=dict(parallel=parallel),
+        backend="gloo",
+        timeout=120,
+        join_timeout=240,
     )
     layout = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1)
     for rank in range(8):

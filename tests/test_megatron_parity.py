@@ -34,7 +34,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
         ".venv/bin/python -m pip install -c requirements/constraints.txt -e '.[test]'"
     ) from exc
 
-from parallelctx import LayoutError, ParallelMode, plan
+from parallelctx import Layout, LayoutError, ParallelMode, plan
 
 MEGATRON_VERSION = "0.16.1"
 SIZES = (1, 2, 4, 8)
@@ -93,7 +93,7 @@ class Point:
     expert_tensor: int
     order: str
 
-    def plan(self):  # type: ignore[no-untyped-def]
+    def plan(self) -> Layout:
         """parallelctx's layout for this point (raises LayoutError when it rejects it)."""
         return plan(
             self.world,
@@ -115,7 +115,7 @@ class MegatronResult:
     detail: str = ""
 
 
-def grid(worlds: "range | tuple[int, ...]", sizes: tuple[int, ...], orders: tuple[str, ...]) -> Iterator[Point]:
+def grid(worlds: range | tuple[int, ...], sizes: tuple[int, ...], orders: tuple[str, ...]) -> Iterator[Point]:
     """Every point: worlds x tensor, pipeline, context, expert in sizes x expert_tensor in
     {1, tensor} x orders."""
     for order, world in itertools.product(orders, worlds):
@@ -124,7 +124,7 @@ def grid(worlds: "range | tuple[int, ...]", sizes: tuple[int, ...], orders: tupl
                 yield Point(world, tp, pp, cp, ep, etp, order)
 
 
-@functools.lru_cache(maxsize=None)  # the grid tests and the size test share the results
+@functools.cache  # the grid tests and the size test share the results
 def megatron(point: Point) -> MegatronResult:
     """Apply initialize_model_parallel's rules (in its order) and RankGenerator to ``point``."""
     tp, pp, cp, ep, etp = point.tensor, point.pipeline, point.context, point.expert, point.expert_tensor
@@ -155,7 +155,7 @@ def megatron(point: Point) -> MegatronResult:
     return MegatronResult(groups, None)
 
 
-@functools.lru_cache(maxsize=None)  # many grid points share a dense or an expert generator
+@functools.cache  # many grid points share a dense or an expert generator
 def _ranks(tp: int, ep: int, dp: int, pp: int, cp: int, order: str, token: str) -> list[list[int]]:
     """``RankGenerator(...).get_ranks(token)``; callers must not modify the result."""
     return RankGenerator(tp=tp, ep=ep, dp=dp, pp=pp, cp=cp, order=order, rank_offset=0).get_ranks(token)
@@ -209,7 +209,9 @@ def compare(point: Point, check_every_rank: bool) -> tuple[str | None, list[str]
             return result.rejected, [f"{point}: message {message!r} names none of {wanted}"]
         return result.rejected, []
     if result.rejected is not None:
-        return result.rejected, [f"{point}: Megatron rejects ({result.rejected} {result.detail}), parallelctx accepts"]
+        return result.rejected, [
+            f"{point}: Megatron rejects ({result.rejected} {result.detail}), parallelctx accepts"
+        ]
     assert result.groups is not None
     diffs: list[str] = []
     for mode in COMPARED_MODES:
@@ -217,14 +219,18 @@ def compare(point: Point, check_every_rank: bool) -> tuple[str | None, list[str]
         # Megatron's member order inside a group is the group-local rank: keep it; only the
         # order of the groups themselves is free.
         if sorted(theirs) != layout.groups(mode):
-            diffs.append(f"{point} {mode.value}: Megatron {sorted(theirs)} != parallelctx {layout.groups(mode)}")
+            diffs.append(
+                f"{point} {mode.value}: Megatron {sorted(theirs)} != parallelctx {layout.groups(mode)}"
+            )
             continue
         if check_every_rank:
             # group_of is what groups.py uses at launch: check it for every rank.
             for group in theirs:
                 for rank in group:
                     if layout.group_of(mode, rank) != group:
-                        diffs.append(f"{point} {mode.value}: group_of({rank}) = {layout.group_of(mode, rank)} != {group}")
+                        diffs.append(
+                            f"{point} {mode.value}: group_of({rank}) = {layout.group_of(mode, rank)} != {group}"
+                        )
     # groups.py shares one process group between modes with equal signatures: the signatures
     # must be equal exactly when Megatron's groups are.
     as_sets = {mode: frozenset(map(tuple, result.groups[mode])) for mode in COMPARED_MODES}
@@ -264,7 +270,9 @@ def test_megatron_generator_agrees_with_design_example() -> None:
 
 
 @pytest.mark.parametrize("order", ORDERS)
-@pytest.mark.parametrize("worlds", [range(lo, lo + 8) for lo in range(1, 65, 8)], ids=lambda r: f"world{r.start}-{r.stop - 1}")
+@pytest.mark.parametrize(
+    "worlds", [range(lo, lo + 8) for lo in range(1, 65, 8)], ids=lambda r: f"world{r.start}-{r.stop - 1}"
+)
 def test_parity_grid(order: str, worlds: range) -> None:
     counts, diffs = run_grid(grid(worlds, SIZES, (order,)), check_every_rank=True)
     assert not diffs, f"{len(diffs)} differences, first ones:\n" + "\n".join(diffs[:20])
@@ -324,27 +332,80 @@ def _migration_rows() -> dict[str, tuple[Any, Any]]:
     M = ParallelMode
     rows: dict[str, tuple[Any, Any]] = {}
     pairs = {
-        "tensor": (ps.get_tensor_model_parallel_group, ps.get_tensor_model_parallel_rank, ps.get_tensor_model_parallel_world_size, M.TENSOR),
-        "pipeline": (ps.get_pipeline_model_parallel_group, ps.get_pipeline_model_parallel_rank, ps.get_pipeline_model_parallel_world_size, M.PIPELINE),
-        "data": (ps.get_data_parallel_group, ps.get_data_parallel_rank, ps.get_data_parallel_world_size, M.DATA),
-        "context": (ps.get_context_parallel_group, ps.get_context_parallel_rank, ps.get_context_parallel_world_size, M.CONTEXT),
-        "expert": (ps.get_expert_model_parallel_group, ps.get_expert_model_parallel_rank, ps.get_expert_model_parallel_world_size, M.EXPERT),
-        "expert_tensor": (ps.get_expert_tensor_parallel_group, ps.get_expert_tensor_parallel_rank, ps.get_expert_tensor_parallel_world_size, M.EXPERT_TENSOR),
-        "expert_data": (ps.get_expert_data_parallel_group, ps.get_expert_data_parallel_rank, ps.get_expert_data_parallel_world_size, M.EXPERT_DATA),
+        "tensor": (
+            ps.get_tensor_model_parallel_group,
+            ps.get_tensor_model_parallel_rank,
+            ps.get_tensor_model_parallel_world_size,
+            M.TENSOR,
+        ),
+        "pipeline": (
+            ps.get_pipeline_model_parallel_group,
+            ps.get_pipeline_model_parallel_rank,
+            ps.get_pipeline_model_parallel_world_size,
+            M.PIPELINE,
+        ),
+        "data": (
+            ps.get_data_parallel_group,
+            ps.get_data_parallel_rank,
+            ps.get_data_parallel_world_size,
+            M.DATA,
+        ),
+        "context": (
+            ps.get_context_parallel_group,
+            ps.get_context_parallel_rank,
+            ps.get_context_parallel_world_size,
+            M.CONTEXT,
+        ),
+        "expert": (
+            ps.get_expert_model_parallel_group,
+            ps.get_expert_model_parallel_rank,
+            ps.get_expert_model_parallel_world_size,
+            M.EXPERT,
+        ),
+        "expert_tensor": (
+            ps.get_expert_tensor_parallel_group,
+            ps.get_expert_tensor_parallel_rank,
+            ps.get_expert_tensor_parallel_world_size,
+            M.EXPERT_TENSOR,
+        ),
+        "expert_data": (
+            ps.get_expert_data_parallel_group,
+            ps.get_expert_data_parallel_rank,
+            ps.get_expert_data_parallel_world_size,
+            M.EXPERT_DATA,
+        ),
     }
     for name, (group, rank, size, mode) in pairs.items():
-        rows[f"{name}.group"] = (lambda g=group: _group_ranks(g()), lambda m=mode: _group_ranks(gpc.get_group(m)))
+        rows[f"{name}.group"] = (
+            lambda g=group: _group_ranks(g()),
+            lambda m=mode: _group_ranks(gpc.get_group(m)),
+        )
         rows[f"{name}.rank"] = (rank, lambda m=mode: gpc.get_local_rank(m))
         rows[f"{name}.size"] = (size, lambda m=mode: gpc.get_world_size(m))
     rows["data_context.group"] = (
         lambda: _group_ranks(ps.get_data_parallel_group(with_context_parallel=True)),
         lambda: _group_ranks(gpc.get_group(M.DATA_CONTEXT)),
     )
-    rows["data_context.rank"] = (lambda: ps.get_data_parallel_rank(with_context_parallel=True), lambda: gpc.get_local_rank(M.DATA_CONTEXT))
-    rows["data_context.size"] = (lambda: ps.get_data_parallel_world_size(with_context_parallel=True), lambda: gpc.get_world_size(M.DATA_CONTEXT))
-    rows["data.gloo"] = (lambda: _group_ranks(ps.get_data_parallel_group_gloo()), lambda: _group_ranks(gpc.get_cpu_group(M.DATA)))
-    rows["expert_data.gloo"] = (lambda: _group_ranks(ps.get_expert_data_parallel_group_gloo()), lambda: _group_ranks(gpc.get_cpu_group(M.EXPERT_DATA)))
-    rows["model.group"] = (lambda: _group_ranks(ps.get_model_parallel_group()), lambda: _group_ranks(gpc.get_group(M.MODEL)))
+    rows["data_context.rank"] = (
+        lambda: ps.get_data_parallel_rank(with_context_parallel=True),
+        lambda: gpc.get_local_rank(M.DATA_CONTEXT),
+    )
+    rows["data_context.size"] = (
+        lambda: ps.get_data_parallel_world_size(with_context_parallel=True),
+        lambda: gpc.get_world_size(M.DATA_CONTEXT),
+    )
+    rows["data.gloo"] = (
+        lambda: _group_ranks(ps.get_data_parallel_group_gloo()),
+        lambda: _group_ranks(gpc.get_cpu_group(M.DATA)),
+    )
+    rows["expert_data.gloo"] = (
+        lambda: _group_ranks(ps.get_expert_data_parallel_group_gloo()),
+        lambda: _group_ranks(gpc.get_cpu_group(M.EXPERT_DATA)),
+    )
+    rows["model.group"] = (
+        lambda: _group_ranks(ps.get_model_parallel_group()),
+        lambda: _group_ranks(gpc.get_group(M.MODEL)),
+    )
     rows["embedding.in"] = (ps.is_rank_in_embedding_group, lambda: gpc.is_initialized(M.EMBEDDING))
     rows["embedding.group"] = (
         lambda: _group_ranks(ps.get_embedding_group()) if ps.is_rank_in_embedding_group() else None,
@@ -362,10 +423,22 @@ def _migration_rows() -> dict[str, tuple[Any, Any]]:
     rows["tensor.src"] = (ps.get_tensor_model_parallel_src_rank, lambda: gpc.get_ranks_in_group(M.TENSOR)[0])
     rows["data.src"] = (ps.get_data_parallel_src_rank, lambda: gpc.get_ranks_in_group(M.DATA)[0])
     rows["model.src"] = (ps.get_model_parallel_src_rank, lambda: gpc.get_ranks_in_group(M.MODEL)[0])
-    rows["pipeline.first"] = (ps.get_pipeline_model_parallel_first_rank, lambda: gpc.get_ranks_in_group(M.PIPELINE)[0])
-    rows["pipeline.last"] = (ps.get_pipeline_model_parallel_last_rank, lambda: gpc.get_ranks_in_group(M.PIPELINE)[-1])
-    rows["pipeline.next"] = (ps.get_pipeline_model_parallel_next_rank, lambda: gpc.get_next_global_rank(M.PIPELINE))
-    rows["pipeline.prev"] = (ps.get_pipeline_model_parallel_prev_rank, lambda: gpc.get_prev_global_rank(M.PIPELINE))
+    rows["pipeline.first"] = (
+        ps.get_pipeline_model_parallel_first_rank,
+        lambda: gpc.get_ranks_in_group(M.PIPELINE)[0],
+    )
+    rows["pipeline.last"] = (
+        ps.get_pipeline_model_parallel_last_rank,
+        lambda: gpc.get_ranks_in_group(M.PIPELINE)[-1],
+    )
+    rows["pipeline.next"] = (
+        ps.get_pipeline_model_parallel_next_rank,
+        lambda: gpc.get_next_global_rank(M.PIPELINE),
+    )
+    rows["pipeline.prev"] = (
+        ps.get_pipeline_model_parallel_prev_rank,
+        lambda: gpc.get_prev_global_rank(M.PIPELINE),
+    )
     rows["pipeline.is_first"] = (ps.is_pipeline_first_stage, gpc.is_pipeline_first_stage)
     rows["pipeline.is_last"] = (ps.is_pipeline_last_stage, gpc.is_pipeline_last_stage)
     return rows
@@ -410,7 +483,13 @@ def test_migration_table_against_megatron_getters_4_ranks(tmp_path: Any) -> None
         expert=dict(size=MIGRATION_SIZES["expert"], tensor=MIGRATION_SIZES["expert_tensor"]),
     )
     parallelctx.spawn(
-        _migration_worker, 4, args=(str(tmp_path),), config=dict(parallel=parallel), backend="gloo", timeout=120, join_timeout=300
+        _migration_worker,
+        4,
+        args=(str(tmp_path),),
+        config=dict(parallel=parallel),
+        backend="gloo",
+        timeout=120,
+        join_timeout=300,
     )
     layout = plan(4, **MIGRATION_SIZES)
     for rank in range(4):

@@ -72,13 +72,17 @@ def test_bad_grid_is_named() -> None:
         mesh_plan(plan(4), grid="sparse")
 
 
-@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp", "dp-tp-cp-ep-pp", "pp-cp-dp-ep-tp"])
+@pytest.mark.parametrize(
+    "order", ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-dp", "dp-tp-cp-ep-pp", "pp-cp-dp-ep-tp"]
+)
 def test_every_dimension_matches_the_layout(order: str) -> None:
     checked = 0
     for world in (1, 2, 8, 16, 24, 32, 48, 64):
         for tp, pp, cp, ep, etp in itertools.product((1, 2, 4), repeat=5):
             try:
-                layout = plan(world, tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp, order=order)
+                layout = plan(
+                    world, tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp, order=order
+                )
             except LayoutError:
                 continue
             for grid in ("dense", "expert"):
@@ -118,9 +122,15 @@ def test_a_group_that_does_not_match_the_mesh_is_refused(monkeypatch: pytest.Mon
     # rank 3 of W=8, tensor 2, pipeline 2: its tp slice is [2, 3]; pretend torch's group holds [3, 5].
     layout = plan(8, tensor=2, pipeline=2)
     groups = {mode: object() for mode in (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.TENSOR)}
-    members = {id(groups[ParallelMode.PIPELINE]): [3, 7], id(groups[ParallelMode.DATA]): [1, 3], id(groups[ParallelMode.TENSOR]): [3, 5]}
+    members = {
+        id(groups[ParallelMode.PIPELINE]): [3, 7],
+        id(groups[ParallelMode.DATA]): [1, 3],
+        id(groups[ParallelMode.TENSOR]): [3, 5],
+    }
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: members[id(g)])
-    with pytest.raises(MeshError, match=r"tensor group of rank 3 holds ranks \[3, 5\].*'tp' through rank 3 is \[2, 3\]"):
+    with pytest.raises(
+        MeshError, match=r"tensor group of rank 3 holds ranks \[3, 5\].*'tp' through rank 3 is \[2, 3\]"
+    ):
         build_device_mesh(_StubContext(layout, 3, groups))  # type: ignore[arg-type]
 
 
@@ -294,7 +304,8 @@ def test_every_mesh_dimension_is_its_group_8_ranks(eight_ranks: list[dict[str, A
     assert eight_ranks[0]["dim_names"] == {"dense": ["pp", "dp", "tp"], "expert": ["pp", "edp", "ep"]}
     _check_dims(EIGHT_LAYOUT, eight_ranks, ("dense", "expert"))
     assert all(
-        r["missing_raise_keyerror"] == ["dense.cp", "dense.etp", "expert.tp", "expert.cp", "expert.etp"] for r in eight_ranks
+        r["missing_raise_keyerror"] == ["dense.cp", "dense.etp", "expert.tp", "expert.cp", "expert.etp"]
+        for r in eight_ranks
     )
 
 
