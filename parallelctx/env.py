@@ -268,8 +268,8 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
 
     Raises:
         LaunchEnvError: a batch or salloc shell (no SLURM_STEP_ID) of a job with more than one
-            task, where only srun can start the ranks; a variable missing, not an integer or out of range;
-            a node list that does not parse or disagrees with the node count.
+            task, where only srun can start the ranks; a variable missing, not an integer or out
+            of range; a node list that does not parse or disagrees with the node count.
     """
     env = os.environ if env is None else env
     if not required and "SLURM_PROCID" not in env and "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
