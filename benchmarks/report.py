@@ -122,8 +122,9 @@ def sim_table(sims: list[dict[str, Any]]) -> str:
     """Markdown table of the simulated start-ups, one row per world size."""
     head = (
         "| library | world | sizes (tp, pp, cp, ep) | rank | start-up ms, median [min–max] | peak memory KiB | "
+        "kept KiB | torch alone, same groups: ms / kept KiB | "
         "new_group calls | layout of whole world ms | groups to lists ms | fake init ms |\n"
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     rows = []
     for s in sims:
@@ -131,7 +132,14 @@ def sim_table(sims: list[dict[str, Any]]) -> str:
         rows.append(
             f"| {PEER_LABEL[s.get('lib', PCTX)]} | {s['world_size']:,} | {z['tensor']}, {z['pipeline']}, {z['context']}, {z['expert']} | "
             f"{s['rank']:,} | {s['startup_s'] * 1e3:.2f} [{s['startup_min_s'] * 1e3:.2f}–"
-            f"{s['startup_max_s'] * 1e3:.2f}] | {s['peak_bytes'] / 1024:.0f} | {s['group_creations']} | "
+            f"{s['startup_max_s'] * 1e3:.2f}] | {s['peak_bytes'] / 1024:.0f} | "
+            f"{s['kept_bytes'] / 1024:.0f} | "
+            + (
+                f"{s['torch_alone_s'] * 1e3:.2f} / {s['torch_alone_kept_bytes'] / 1024:.0f} | "
+                if "torch_alone_s" in s
+                else "— | "
+            )
+            + f"{s['group_creations']} | "
             + (
                 f"{s['layout_s'] * 1e3:.1f} | {s['to_lists_s'] * 1e3:.1f} | "
                 if s.get("lib", PCTX) == PCTX
@@ -179,13 +187,17 @@ def verdicts(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[str
                 x = ns[(lib, name)] / base
                 lines.append(f"query vs `{name}`: {x:.1f}x faster (target ≥ {target:.0f}x): {_mark(x >= target)}")
     own = sorted((s for s in sims if s.get("lib", PCTX) == PCTX), key=lambda s: s["world_size"])
-    largest = own[-1]["world_size"] if own else 0
-    for s in sims:
-        if s.get("lib", PCTX) != PCTX and s["world_size"] == largest:
-            x = s["startup_s"] / own[-1]["startup_s"]
+    own_at = {s["world_size"]: s for s in own}
+    for lib in LIBS[1:]:
+        peer = [s for s in sims if s.get("lib") == lib and s["world_size"] in own_at]
+        if peer:
+            p = max(peer, key=lambda s: s["world_size"])
+            mine = own_at[p["world_size"]]
             lines.append(
-                f"simulated start-up at {largest:,} ranks: {PEER_LABEL[s['lib']]} takes {x:.0f}x "
-                f"parallelctx's time ({s['startup_s'] * 1e3:.0f} ms vs {own[-1]['startup_s'] * 1e3:.1f} ms)"
+                f"simulated start-up at {p['world_size']:,} ranks: {PEER_LABEL[lib]} takes "
+                f"{p['startup_s'] / mine['startup_s']:.0f}x parallelctx's time "
+                f"({p['startup_s'] * 1e3:.0f} ms vs {mine['startup_s'] * 1e3:.1f} ms; "
+                f"{p['group_creations']} vs {mine['group_creations']} new_group calls)"
             )
     if own:
         sims = own
@@ -198,6 +210,24 @@ def verdicts(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[str
         lines.append(
             f"simulated per-rank peak memory, largest/smallest world: {m[-1] / m[0]:.2f} (target ≤ 2): {_mark(m[-1] / m[0] <= 2)}"
         )
+        if all("torch_alone_s" in s for s in sims):
+            dt = [max(s["startup_s"] - s["torch_alone_s"], 0.0) for s in sims]
+            dk = [max(s["kept_bytes"] - s["torch_alone_kept_bytes"], 0) for s in sims]
+            lines.append(
+                f"parallelctx's share above torch alone making the same groups: time "
+                f"{dt[0] * 1e3:.2f} → {dt[-1] * 1e3:.2f} ms ({dt[-1] / max(dt[0], 1e-9):.2f}x, target ≤ 2: "
+                f"{_mark(dt[-1] <= 2 * dt[0])}), kept memory {dk[0] / 1024:.0f} → {dk[-1] / 1024:.0f} KiB "
+                f"({dk[-1] / max(dk[0], 1):.2f}x, target ≤ 2: {_mark(dk[-1] <= 2 * dk[0])}); "
+                f"torch alone grows {sims[-1]['torch_alone_s'] / sims[0]['torch_alone_s']:.1f}x in time and "
+                f"{sims[-1]['torch_alone_kept_bytes'] / max(sims[0]['torch_alone_kept_bytes'], 1):.1f}x in kept memory"
+            )
+        same = [s for s in sims if s["sizes"] == sims[-1]["sizes"]]
+        if len(same) > 1 and same[0] is not sims[0]:
+            lines.append(
+                f"same sizes ({same[0]['world_size']:,} vs {same[-1]['world_size']:,} ranks): per-rank time "
+                f"{same[-1]['startup_s'] / same[0]['startup_s']:.2f}x, peak memory "
+                f"{same[-1]['peak_bytes'] / same[0]['peak_bytes']:.2f}x"
+            )
         lines.append(f"layout of the whole world, slowest: {lay * 1e3:.1f} ms (target < 1 s): {_mark(lay < 1)}")
     return lines
 

@@ -189,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--query-calls", type=int, default=200_000)
     parser.add_argument("--sim-worlds", type=int, nargs="*", default=[64, 1024, 16384, 131072])
     parser.add_argument("--sim-repeats", type=int, default=7)
+    parser.add_argument(
+        "--sim-peer-max", type=int, default=16384,
+        help="largest simulated world for the peers (Megatron-core needs ~30 s per start-up at 131,072)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     parser.add_argument("--out", type=Path, default=HERE, help="folder for RESULTS.md and startup.png")
     parser.add_argument("--no-install", action="store_true", help="do not pip-install missing peers")
@@ -203,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="parallelctx-bench-") as tmp:
         runs = [startup_run(w, lazy, args, Path(tmp)) for w in args.worlds for lazy in modes]
     sim_libs = [lib for lib in args.libs.split(",") if lib]
-    sims = [sim_run(lib, w, args) for lib in sim_libs for w in args.sim_worlds]
+    sims = [
+        sim_run(lib, w, args)
+        for lib in sim_libs
+        for w in args.sim_worlds
+        if lib == report.PCTX or w <= args.sim_peer_max
+    ]
     tables = (
         "## Start-up, torchrun on this machine\n\n" + report.startup_table(runs)
         + "\n## Queries (ns per call, rank 0)\n\n" + report.query_table(runs)

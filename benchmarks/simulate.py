@@ -8,7 +8,8 @@ needed. Per world size this prints one JSON line: the rank's start-up time (conf
 the default group, plan, creating its groups; median of ``--repeats``), the peak Python
 memory of one start-up (tracemalloc), its group creations, and the time of the layout for the
 whole world (``plan`` plus ``group_array`` of every mode), with converting every group to
-Python lists timed apart.
+Python lists timed apart. For parallelctx it also measures torch alone making the same groups
+(:func:`torch_alone`), the floor under parallelctx's time and memory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 import tracemalloc
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 WANTED = {"tensor": 8, "pipeline": 16, "context": 2, "expert": 8}
@@ -107,6 +109,51 @@ _MESHES: list[Any] = []
 _SPACERS: list[Any] = []
 
 
+def torch_alone(rank: int, world: int, sizes: dict[str, int], repeats: int) -> dict[str, float]:
+    """Time and memory of torch alone making the same groups as parallelctx on this rank.
+
+    The member lists are computed first, outside the measurement; then only the
+    ``new_group(members, use_local_synchronization=True)`` calls are measured: torch's own cost
+    (its registry keeps every member of every group), the floor under parallelctx's.
+    """
+    from parallelctx.groups import creation_order
+    from parallelctx.layout import ParallelMode, plan
+
+    layout = plan(world, **sizes)
+    seen, lists = set(), []
+    world_sig = layout.signature(ParallelMode.GLOBAL)
+    for mode in creation_order(layout):
+        sig = layout.signature(mode)
+        if mode is ParallelMode.GLOBAL or layout.size(mode) == 1 or sig == world_sig or sig in seen:
+            continue
+        seen.add(sig)
+        members = layout.group_of(mode, rank)
+        if members:
+            lists.append(np.asarray(members, dtype=np.int64))
+
+    def make() -> list[Any]:
+        # tolist() inside the measurement: torch needs (and keeps) Python ints.
+        return [dist.new_group(m.tolist(), use_local_synchronization=True) for m in lists]
+
+    def undo(groups: list[Any]) -> None:
+        for g in groups:
+            dist.destroy_process_group(g)
+        _SPACERS.append(dist.new_group([rank], use_local_synchronization=True))
+
+    times = []
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        groups = make()
+        times.append(time.perf_counter() - t)
+        undo(groups)
+    tracemalloc.start()
+    groups = make()
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    undo(groups)
+    return {"torch_alone_s": statistics.median(times[1:]), "torch_alone_kept_bytes": kept, "torch_alone_peak_bytes": peak}
+
+
 def simulate(world: int, repeats: int, lib: str = "parallelctx", rank: int | None = None) -> dict[str, Any]:
     """Simulate one rank's start-up with ``lib`` in a world of ``world`` ranks; return the
     measurements.
@@ -137,9 +184,10 @@ def simulate(world: int, repeats: int, lib: str = "parallelctx", rank: int | Non
         _tear_down(lib, rank)
     tracemalloc.start()
     _start_up(lib, rank, world, sizes)
-    _, peak = tracemalloc.get_traced_memory()
+    kept, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     _tear_down(lib, rank)
+    base = torch_alone(rank, world, sizes, repeats) if lib == "parallelctx" else {}
 
     t = time.perf_counter()
     layout = plan(world, **sizes)
@@ -158,6 +206,8 @@ def simulate(world: int, repeats: int, lib: str = "parallelctx", rank: int | Non
         "startup_min_s": min(times[1:]),
         "startup_max_s": max(times[1:]),
         "peak_bytes": peak,
+        "kept_bytes": kept,
+        **base,
         "group_creations": calls,
         "layout_s": layout_s,
         "to_lists_s": lists_s,

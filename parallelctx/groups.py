@@ -33,12 +33,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .layout import Layout, ParallelMode
 
-__all__ = ["ModeGroup", "create_groups", "creation_order", "local_sync_blocker"]
+__all__ = ["ModeGroup", "RankLattice", "create_groups", "creation_order", "local_sync_blocker"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -47,9 +48,8 @@ logger = logging.getLogger("parallelctx")
 class ModeGroup:
     """This rank's group of one mode: members, and the process groups (None for size 1).
 
-    ``ranks`` is a ``range`` when the members are evenly spaced (the world, and every group
-    spanning one axis), so its size in memory and ``ranks.index(rank)`` do not grow with the
-    world; a tuple otherwise.
+    ``ranks`` is a :class:`RankLattice` (a read-only sequence equal to the tuple of members),
+    so its memory and ``ranks.index(rank)`` do not grow with the world; a tuple for EMBEDDING.
     """
 
     ranks: Sequence[int]
@@ -57,13 +57,102 @@ class ModeGroup:
     cpu_group: dist.ProcessGroup | None
 
 
-def _compact(members: list[int]) -> Sequence[int]:
-    """Return evenly spaced ascending members as a ``range``, others as a tuple."""
-    if len(members) >= 2:
-        step = members[1] - members[0]
-        if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
-            return range(members[0], members[-1] + 1, step)
-    return tuple(members)
+class RankLattice(Sequence[int]):
+    """The ascending ranks ``base + sum(i_k * stride_k)`` for ``0 <= i_k < size_k``: a group
+    that spans several axes of the rank grid, in O(axes) memory.
+
+    ``spans`` are ``(stride, size)`` pairs, strides ascending, each axis nested outside the
+    previous one (``stride_k+1 >= stride_k * size_k``), which is what
+    :meth:`parallelctx.layout.Layout.signature` returns. Indexing, ``index`` and ``in`` cost
+    O(axes); iterating yields the ranks in ascending order.
+    """
+
+    __slots__ = ("_base", "_spans", "_len")
+
+    def __init__(self, base: int, spans: tuple[tuple[int, int], ...]) -> None:
+        self._base = base
+        self._spans = spans
+        n = 1
+        for _, size in spans:
+            n *= size
+        self._len = n
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]  # type: ignore[return-value]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"index {i} is outside a group of {self._len} ranks")
+        rank = self._base
+        for stride, size in self._spans:
+            rank += (i % size) * stride
+            i //= size
+        return rank
+
+    def index(self, rank: int, start: int = 0, stop: int | None = None) -> int:
+        """Return the position of ``rank``; raise ValueError when it is not a member."""
+        offset = rank - self._base
+        position, weight = 0, 1
+        for stride, size in self._spans:
+            digit = (offset // stride) % size
+            position += digit * weight
+            weight *= size
+        if offset < 0 or self[position] != rank or not start <= position < (self._len if stop is None else stop):
+            raise ValueError(f"rank {rank} is not in this group")
+        return position
+
+    def __contains__(self, rank: object) -> bool:
+        try:
+            self.index(rank)  # type: ignore[arg-type]
+        except (ValueError, TypeError):
+            return False
+        return True
+
+    def tolist(self) -> list[int]:
+        """Return the members as a new list of ints, ascending (vectorised)."""
+        ranks = np.full(1, self._base, dtype=np.int64)
+        for stride, size in self._spans:  # each axis is nested outside the previous ones
+            ranks = (np.arange(size, dtype=np.int64)[:, None] * stride + ranks[None, :]).ravel()
+        return ranks.tolist()
+
+    def key(self) -> tuple:
+        """A hashable description of the members, O(axes) in size."""
+        return (self._base, self._spans)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(other) == self._len and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"RankLattice({list(self) if self._len <= 16 else f'{self[0]}..{self[-1]}, {self._len} ranks'})"
+
+
+def _world_members(world_size: int) -> Sequence[int]:
+    """Every rank of the world, as a :class:`RankLattice`."""
+    return RankLattice(0, ((1, world_size),))
+
+
+def _members(layout: Layout, mode: ParallelMode, rank: int) -> Sequence[int]:
+    """This rank's group of ``mode`` in memory that does not grow with the group: a
+    :class:`RankLattice`, or a tuple for EMBEDDING (at most two ranks)."""
+    sig = layout.signature(mode)
+    if not sig or not isinstance(sig[0], tuple):  # EMBEDDING beyond 2 stages: not a lattice
+        return tuple(layout.group_of(mode, rank))
+    base = rank
+    for stride, size in sig:
+        base -= ((rank // stride) % size) * stride
+    return RankLattice(base, sig)
 
 
 def creation_order(layout: Layout) -> list[ParallelMode]:
@@ -97,8 +186,9 @@ def local_sync_blocker() -> str | None:
 
 # Names torch gives locally synchronized groups: a hash of (members, groups the process has).
 # Remembered per default group, to refuse re-creating a destroyed group under its old name.
+# Only a hash of each (members, count) is kept, so the memory does not grow with group sizes.
 _names_owner: Any = None
-_names_used: set[tuple[tuple[int, ...], int]] = set()
+_names_used: set[int] = set()
 
 
 def _claim_name(members: Sequence[int]) -> None:
@@ -115,7 +205,8 @@ def _claim_name(members: Sequence[int]) -> None:
     if _names_owner is not dist.group.WORLD:
         _names_owner = dist.group.WORLD
         _names_used.clear()
-    key = (tuple(members), len(names))
+    described = members.key() if isinstance(members, RankLattice) else tuple(members)
+    key = hash((described, len(names)))
     if key in _names_used:
         raise RuntimeError(
             f"parallelctx already made a process group of ranks {list(members)} on this default "
@@ -133,8 +224,9 @@ def _local_group(
 ) -> dist.ProcessGroup:
     """Create one group that only its members call for (local synchronization)."""
     _claim_name(members)
+    ranks = members.tolist() if isinstance(members, RankLattice) else list(members)
     return dist.new_group(
-        list(members),
+        ranks,
         timeout=timeout,
         backend=backend,
         use_local_synchronization=True,
@@ -193,13 +285,13 @@ def create_groups(
     out: dict[ParallelMode, ModeGroup] = {}
     for mode in creation_order(layout):
         if mode is world:  # the default group, even in a world of one; O(1) members
-            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
+            out[mode] = ModeGroup(_world_members(layout.world_size), default_group, cpu_world)
             continue
         sig = layout.signature(mode)
         if sig == world_sig and layout.size(mode) == layout.world_size > 1:
-            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
+            out[mode] = ModeGroup(_world_members(layout.world_size), default_group, cpu_world)
             continue
-        members = _compact(layout.group_of(mode, rank))
+        members = _members(layout, mode, rank)
         if layout.size(mode) == 1:
             if members:
                 out[mode] = ModeGroup(members, None, None)
