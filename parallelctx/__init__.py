@@ -18,6 +18,7 @@ from .launch import (
     spawn,
 )
 from .layout import Layout, LayoutError, ParallelMode, plan
+from .mesh import MeshError
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,7 @@ __all__ = [
     "LaunchEnvError",
     "Layout",
     "LayoutError",
+    "MeshError",
     "ModeView",
     "NotLaunchedError",
     "ParallelContext",

@@ -441,7 +441,8 @@ def plan(
     if world_size % expert_model:
         raise LayoutError(
             f"expert_tensor={expert_tensor} x expert={expert} x pipeline={pipeline} = "
-            f"{expert_model} does not divide world_size={world_size}"
+            f"{expert_model} does not divide world_size={world_size}; choose expert, expert_tensor "
+            f"and pipeline sizes whose product divides the world size"
         )
     tokens = parse_order(order)
     data = world_size // model
