@@ -275,9 +275,12 @@ def launch_from_env(
 LAUNCHERS = ("pytorch", "slurm", "mpi")
 
 
-def init_dist(launcher: str, backend: str | None = "auto", **kwargs: Any) -> ParallelContext:
+def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> ParallelContext:
     """Launch by launcher name: ``"pytorch"`` (torchrun, :func:`launch_from_torch`), ``"slurm"``
     (:func:`launch_from_slurm`) or ``"mpi"`` (:func:`launch_from_openmpi`).
+
+    ``backend`` None takes the config's ``dist.backend`` (default ``"auto"``: nccl with CUDA,
+    else gloo), as every launch function does.
 
     ``kwargs`` go to that function: ``config``, ``seed``, ``timeout`` (seconds as an int or
     float, or a :class:`datetime.timedelta`), and ``host``/``port`` for slurm and mpi.
