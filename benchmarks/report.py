@@ -240,7 +240,7 @@ def plot(runs: list[dict[str, Any]], sims: list[dict[str, Any]], path: Path) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     colours = {"parallelctx": "tab:green", "megatron": "tab:red", "devicemesh": "tab:blue"}
     for lazy in (False, True):
         chosen = sorted((r for r in runs if r["lazy_init"] == lazy), key=lambda r: r["world_size"])
@@ -276,7 +276,7 @@ def plot(runs: list[dict[str, Any]], sims: list[dict[str, Any]], path: Path) -> 
     ax.set_ylabel("start-up: default group ready → all groups ready (s)")
     ax.set_title("Process-group start-up, max over ranks (2-core CPU, gloo)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

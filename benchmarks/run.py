@@ -106,9 +106,16 @@ def sim_run(lib: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def write_results(
-    runs: list[dict[str, Any]], sims: list[dict[str, Any]], tables: str, lines: list[str], argv: list[str], out_dir: Path
+    runs: list[dict[str, Any]],
+    sims: list[dict[str, Any]],
+    tables: str,
+    lines: list[str],
+    argv: list[str],
+    out_dir: Path,
+    load: tuple[tuple[float, ...], tuple[float, ...]],
 ) -> None:
-    """Write RESULTS.md and startup.png into ``out_dir``."""
+    """Write RESULTS.md and startup.png into ``out_dir``; ``load`` is the load average
+    (1, 5, 15 min) before and after the run, since other work on the machine skews timings."""
     import torch
 
     try:
@@ -128,7 +135,9 @@ Written by `benchmarks/run.py`; do not edit by hand. Produced by
     {command}
 
 on {now}: Python {platform.python_version()}, torch {torch.__version__}, megatron-core {megatron},
-{os.cpu_count()} CPU cores, no GPU. How the numbers are made and what they mean:
+{os.cpu_count()} CPU cores, no GPU; load average (1/5/15 min) {" / ".join(f"{x:.1f}" for x in load[0])} before
+the run and {" / ".join(f"{x:.1f}" for x in load[1])} after (other work on the machine makes every timing
+slower and noisier). How the numbers are made and what they mean:
 [docs/performance.md](../docs/performance.md).
 
 ## Verdicts against the targets of issue 5
@@ -204,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         ensure_peers()
     args.out.mkdir(parents=True, exist_ok=True)
     modes = {"both": (False, True), "eager": (False,), "lazy": (True,)}[args.gloo]
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="parallelctx-bench-") as tmp:
         runs = [startup_run(w, lazy, args, Path(tmp)) for w in args.worlds for lazy in modes]
     sim_libs = [lib for lib in args.libs.split(",") if lib]
@@ -222,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(tables)
     print("\n".join(lines))
-    write_results(runs, sims, tables, lines, argv, args.out)
+    load = (load_before, os.getloadavg())
+    write_results(runs, sims, tables, lines, argv, args.out, load)
     print(f"\nwrote {args.out / 'RESULTS.md'} and {args.out / 'startup.png'}")
     return 0
 
