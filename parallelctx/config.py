@@ -111,6 +111,8 @@ class DistConfig(BaseModel):
     ``timeout`` takes seconds (int or float) or a :class:`datetime.timedelta`.
     ``init_method`` is a torch URL (``tcp://host:port``, ``env://``, ``file:///path``); when
     ``None`` the launch functions build ``tcp://host:port`` from their arguments.
+    ``gloo_lazy_init`` makes parallelctx's gloo subgroups connect on their first collective
+    (as NCCL does) instead of when they are made; a TORCH_GLOO_LAZY_INIT set by the user wins.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -118,6 +120,7 @@ class DistConfig(BaseModel):
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout: timedelta = DEFAULT_TIMEOUT
     init_method: str | None = None
+    gloo_lazy_init: bool = True
 
     @field_validator("timeout", mode="before")
     @classmethod

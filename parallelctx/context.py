@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,7 +52,7 @@ class ModeView:
     mode: ParallelMode
     rank: int
     size: int
-    ranks: tuple[int, ...]
+    ranks: Sequence[int]
     group: Any
     cpu_group: Any
     next_rank: int
@@ -127,6 +127,9 @@ class ParallelContext:
     expert_model: ModeView
 
     def __init__(self) -> None:
+        # Names of the groups made on a default group parallelctx adopted; kept across destroy()
+        # so that relaunching on the same default group cannot reuse them (see groups._claim_name).
+        self._adopted_names: tuple[Any, set[tuple[Sequence[int], int]]] = (None, set())
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -285,7 +288,19 @@ class ParallelContext:
         # Accelerator backends get a gloo group beside each group; CPU backends serve both.
         cpu_backend = None if self._backend in _CPU_BACKENDS else "gloo"
         timeout = self._timeout or self.config.dist.timeout
-        groups, calls = create_groups(layout, self._global_rank, timeout, cpu_backend)
+        used = None
+        if not self._owns_default_group:
+            if self._adopted_names[0] is not dist.group.WORLD:
+                self._adopted_names = (dist.group.WORLD, set())
+            used = self._adopted_names[1]
+        groups, calls = create_groups(
+            layout,
+            self._global_rank,
+            timeout,
+            cpu_backend,
+            used_names=used,
+            gloo_lazy_init=self.config.dist.gloo_lazy_init,
+        )
         self._layout = layout
         self._group_calls = calls
         for mode, g in groups.items():

@@ -11,6 +11,9 @@ has, so every member must have made the same groups before it.
 * Modes whose groups have identical members share one process group.
 * With an accelerator backend a gloo group is made beside each group, for object collectives
   and CPU barriers; with gloo the CPU group is the group itself.
+* Gloo groups connect on their first collective (``TORCH_GLOO_LAZY_INIT=1`` while they are
+  made), as NCCL does, so a group that is never used costs no connections; the config's
+  ``dist.gloo_lazy_init=False`` or the user's own TORCH_GLOO_LAZY_INIT turns it off.
 
 Limits of local synchronization, guarded here (see ``docs/performance.md``):
 
@@ -27,8 +30,10 @@ Limits of local synchronization, guarded here (see ``docs/performance.md``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -39,7 +44,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from .layout import Layout, ParallelMode
 
-__all__ = ["ModeGroup", "RankLattice", "create_groups", "creation_order", "local_sync_blocker"]
+__all__ = ["ModeGroup", "create_groups", "creation_order", "local_sync_blocker"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -48,8 +53,9 @@ logger = logging.getLogger("parallelctx")
 class ModeGroup:
     """This rank's group of one mode: members, and the process groups (None for size 1).
 
-    ``ranks`` is a :class:`RankLattice` (a read-only sequence equal to the tuple of members),
-    so its memory and ``ranks.index(rank)`` do not grow with the world; a tuple for EMBEDDING.
+    ``ranks`` is a ``range`` when the members are evenly spaced (the world and every group that
+    spans one axis, or contiguous axes), so neither its memory nor ``ranks.index(rank)`` grows
+    with the world; a tuple otherwise.
     """
 
     ranks: Sequence[int]
@@ -57,102 +63,13 @@ class ModeGroup:
     cpu_group: dist.ProcessGroup | None
 
 
-class RankLattice(Sequence[int]):
-    """The ascending ranks ``base + sum(i_k * stride_k)`` for ``0 <= i_k < size_k``: a group
-    that spans several axes of the rank grid, in O(axes) memory.
-
-    ``spans`` are ``(stride, size)`` pairs, strides ascending, each axis nested outside the
-    previous one (``stride_k+1 >= stride_k * size_k``), which is what
-    :meth:`parallelctx.layout.Layout.signature` returns. Indexing, ``index`` and ``in`` cost
-    O(axes); iterating yields the ranks in ascending order.
-    """
-
-    __slots__ = ("_base", "_spans", "_len")
-
-    def __init__(self, base: int, spans: tuple[tuple[int, int], ...]) -> None:
-        self._base = base
-        self._spans = spans
-        n = 1
-        for _, size in spans:
-            n *= size
-        self._len = n
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __getitem__(self, i: int) -> int:  # type: ignore[override]
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._len))]  # type: ignore[return-value]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(f"index {i} is outside a group of {self._len} ranks")
-        rank = self._base
-        for stride, size in self._spans:
-            rank += (i % size) * stride
-            i //= size
-        return rank
-
-    def index(self, rank: int, start: int = 0, stop: int | None = None) -> int:
-        """Return the position of ``rank``; raise ValueError when it is not a member."""
-        offset = rank - self._base
-        position, weight = 0, 1
-        for stride, size in self._spans:
-            digit = (offset // stride) % size
-            position += digit * weight
-            weight *= size
-        if offset < 0 or self[position] != rank or not start <= position < (self._len if stop is None else stop):
-            raise ValueError(f"rank {rank} is not in this group")
-        return position
-
-    def __contains__(self, rank: object) -> bool:
-        try:
-            self.index(rank)  # type: ignore[arg-type]
-        except (ValueError, TypeError):
-            return False
-        return True
-
-    def tolist(self) -> list[int]:
-        """Return the members as a new list of ints, ascending (vectorised)."""
-        ranks = np.full(1, self._base, dtype=np.int64)
-        for stride, size in self._spans:  # each axis is nested outside the previous ones
-            ranks = (np.arange(size, dtype=np.int64)[:, None] * stride + ranks[None, :]).ravel()
-        return ranks.tolist()
-
-    def key(self) -> tuple:
-        """A hashable description of the members, O(axes) in size."""
-        return (self._base, self._spans)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.tolist())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return len(other) == self._len and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return f"RankLattice({list(self) if self._len <= 16 else f'{self[0]}..{self[-1]}, {self._len} ranks'})"
-
-
-def _world_members(world_size: int) -> Sequence[int]:
-    """Every rank of the world, as a :class:`RankLattice`."""
-    return RankLattice(0, ((1, world_size),))
-
-
-def _members(layout: Layout, mode: ParallelMode, rank: int) -> Sequence[int]:
-    """This rank's group of ``mode`` in memory that does not grow with the group: a
-    :class:`RankLattice`, or a tuple for EMBEDDING (at most two ranks)."""
-    sig = layout.signature(mode)
-    if not sig or not isinstance(sig[0], tuple):  # EMBEDDING beyond 2 stages: not a lattice
-        return tuple(layout.group_of(mode, rank))
-    base = rank
-    for stride, size in sig:
-        base -= ((rank // stride) % size) * stride
-    return RankLattice(base, sig)
+def _compact(members: list[int]) -> Sequence[int]:
+    """Return ascending, evenly spaced members as a ``range``, any others as a tuple."""
+    if len(members) >= 2:
+        step = members[1] - members[0]
+        if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
+            return range(members[0], members[-1] + 1, step)
+    return tuple(members)
 
 
 def creation_order(layout: Layout) -> list[ParallelMode]:
@@ -184,30 +101,22 @@ def local_sync_blocker() -> str | None:
     return None
 
 
-# Names torch gives locally synchronized groups: a hash of (members, groups the process has).
-# Remembered per default group, to refuse re-creating a destroyed group under its old name.
-# Only a hash of each (members, count) is kept, so the memory does not grow with group sizes.
-_names_owner: Any = None
-_names_used: set[int] = set()
+def _claim_name(members: Sequence[int], used: set[tuple[Sequence[int], int]]) -> None:
+    """Record, in ``used``, the name torch is about to give a locally synchronized group.
 
-
-def _claim_name(members: Sequence[int]) -> None:
-    """Record the name torch is about to give a locally synchronized group of ``members``.
+    torch names such a group by its members and the number of groups the process holds, so
+    after the groups are destroyed on a default group that lives on, the same groups would get
+    the same names and their members would meet on stale rendezvous keys.
 
     Raises:
         RuntimeError: this process already made a group with these members under the same name
             on this default group (it was destroyed since); the message says how to avoid it.
     """
-    global _names_owner
     names = getattr(getattr(c10d, "_world", None), "pg_names", None)
     if names is None:  # a torch without this registry: nothing to check against
         return
-    if _names_owner is not dist.group.WORLD:
-        _names_owner = dist.group.WORLD
-        _names_used.clear()
-    described = members.key() if isinstance(members, RankLattice) else tuple(members)
-    key = hash((described, len(names)))
-    if key in _names_used:
+    key = (members, len(names))
+    if key in used:
         raise RuntimeError(
             f"parallelctx already made a process group of ranks {list(members)} on this default "
             f"group while the process held {len(names)} groups, and destroyed it since; torch would "
@@ -216,17 +125,34 @@ def _claim_name(members: Sequence[int]) -> None:
             "group too (let parallelctx own it: launch without calling init_process_group first), "
             "or keep another process group alive across gpc.destroy() so the names differ"
         )
-    _names_used.add(key)
+    used.add(key)
+
+
+@contextlib.contextmanager
+def _gloo_lazy_init(enabled: bool) -> Iterator[None]:
+    """Make gloo groups built inside connect on their first collective (TORCH_GLOO_LAZY_INIT=1),
+    unless the user set the variable; restore the environment after."""
+    if not enabled or "TORCH_GLOO_LAZY_INIT" in os.environ:
+        yield
+        return
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 
 def _local_group(
-    members: Sequence[int], timeout: timedelta, backend: str | None, desc: str
+    members: Sequence[int],
+    timeout: timedelta,
+    backend: str | None,
+    desc: str,
+    used: set[tuple[Sequence[int], int]],
 ) -> dist.ProcessGroup:
     """Create one group that only its members call for (local synchronization)."""
-    _claim_name(members)
-    ranks = members.tolist() if isinstance(members, RankLattice) else list(members)
+    _claim_name(members, used)
     return dist.new_group(
-        ranks,
+        list(members),
         timeout=timeout,
         backend=backend,
         use_local_synchronization=True,
@@ -248,7 +174,12 @@ def _group_everywhere(
 
 
 def create_groups(
-    layout: Layout, rank: int, timeout: timedelta, cpu_backend: str | None
+    layout: Layout,
+    rank: int,
+    timeout: timedelta,
+    cpu_backend: str | None,
+    used_names: set[tuple[Sequence[int], int]] | None = None,
+    gloo_lazy_init: bool = True,
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     """Create the process groups of every mode that ``rank`` belongs to.
 
@@ -258,6 +189,10 @@ def create_groups(
         timeout: the timeout of every group made here.
         cpu_backend: ``"gloo"`` to make a CPU group beside each group (accelerator backends),
             ``None`` when the main backend already runs on the CPU.
+        used_names: the names of groups made earlier on this default group (see
+            :func:`_claim_name`); updated in place. None: no check (a fresh default group).
+        gloo_lazy_init: gloo groups connect on their first collective instead of at creation,
+            unless TORCH_GLOO_LAZY_INIT is set in the environment.
 
     Returns:
         ``({mode: ModeGroup}, number of new_group calls)``. A mode this rank is in no group of
@@ -267,6 +202,14 @@ def create_groups(
         RuntimeError: from torch, when a peer does not arrive within ``timeout``; or a group
             would reuse the name of one destroyed earlier (see :func:`_claim_name`).
     """
+    used = set() if used_names is None else used_names
+    with _gloo_lazy_init(gloo_lazy_init):
+        return _create(layout, rank, timeout, cpu_backend, used)
+
+
+def _create(
+    layout: Layout, rank: int, timeout: timedelta, cpu_backend: str | None, used: set[tuple[Sequence[int], int]]
+) -> tuple[dict[ParallelMode, ModeGroup], int]:
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
     default_group = dist.group.WORLD
@@ -285,13 +228,13 @@ def create_groups(
     out: dict[ParallelMode, ModeGroup] = {}
     for mode in creation_order(layout):
         if mode is world:  # the default group, even in a world of one; O(1) members
-            out[mode] = ModeGroup(_world_members(layout.world_size), default_group, cpu_world)
+            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
             continue
         sig = layout.signature(mode)
         if sig == world_sig and layout.size(mode) == layout.world_size > 1:
-            out[mode] = ModeGroup(_world_members(layout.world_size), default_group, cpu_world)
+            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
             continue
-        members = _members(layout, mode, rank)
+        members = _compact(layout.group_of(mode, rank))
         if layout.size(mode) == 1:
             if members:
                 out[mode] = ModeGroup(members, None, None)
@@ -310,11 +253,11 @@ def create_groups(
             if members:
                 out[mode] = made[sig]
         elif members:
-            group = _local_group(members, timeout, None, mode.value)
+            group = _local_group(members, timeout, None, mode.value, used)
             calls += 1
             cpu_group = group
             if cpu_backend is not None:
-                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu")
+                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu", used)
                 calls += 1
             made[sig] = out[mode] = ModeGroup(members, group, cpu_group)
     return out, calls

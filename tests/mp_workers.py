@@ -140,3 +140,27 @@ def run_cases(out_dir: str, cases: list[dict[str, Any]]) -> None:
         record["after_destroy"] = after
         Path(out_dir, f"case{i}_rank{rank}.json").write_text(json.dumps(record))
 
+
+
+def adopted_relaunch(index: int, world: int, init_method: str, out_dir: str) -> None:
+    """Worker for torch.multiprocessing: the user makes the default group, parallelctx adopts it,
+    is destroyed and launched again on it; records what happened on each rank."""
+    dist.init_process_group("gloo", init_method=init_method, rank=index, world_size=world)
+    config = {"parallel": {"tensor": 2}, "dist": {"timeout": 60}}
+    result: dict[str, Any] = {}
+    try:
+        parallelctx.launch(config, rank=index, world_size=world)
+        tensor = torch.ones(1)
+        dist.all_reduce(tensor, group=gpc.get_group(ParallelMode.TENSOR))
+        result["first_sum"] = tensor.item()
+        gpc.destroy()
+        result["default_alive"] = dist.is_initialized()
+        try:
+            parallelctx.launch(config, rank=index, world_size=world)
+            result["relaunch"] = "ok"
+        except RuntimeError as exc:
+            result["relaunch"] = str(exc)
+    finally:
+        gpc.destroy()
+        dist.destroy_process_group()
+    Path(out_dir, f"rank{index}.json").write_text(json.dumps(result))

@@ -182,3 +182,37 @@ def test_resolve_backend() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs CUDA"):
             resolve_backend("nccl")
+
+
+def test_relaunch_on_an_adopted_default_group_is_refused_clearly(tmp_path) -> None:
+    # torch would give the re-made groups the names of the destroyed ones (stale rendezvous
+    # keys, a hang until the timeout); parallelctx refuses with a message instead.
+    import torch.multiprocessing as mp
+
+    from mp_workers import adopted_relaunch
+    from parallelctx.launch import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.start_processes(adopted_relaunch, args=(4, init, str(tmp_path)), nprocs=4, join=False, start_method="spawn")
+    try:
+        while not ctx.join(timeout=120):
+            pass
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    import json
+
+    for rank in range(4):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["first_sum"] == 2.0
+        assert result["default_alive"] is True
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert f"already made a process group of ranks {pair}" in result["relaunch"]
+
+
+def test_gloo_lazy_init_is_scoped(launched) -> None:
+    import os
+
+    assert gpc.config.dist.gloo_lazy_init is True
+    assert "TORCH_GLOO_LAZY_INIT" not in os.environ, "the variable is set only while groups are made"
