@@ -184,21 +184,25 @@ class Section(Mapping[str, Any]):
         }
         self._path = path
 
+    def _missing(self, key: str) -> str:
+        return f"{self._path} has no key {key!r}; keys: {', '.join(sorted(self._data)) or 'none'}"
+
     def __getattr__(self, name: str) -> Any:
+        if name in ("_data", "_path"):  # not set yet (mid-unpickling): no recursion
+            raise AttributeError(name)
         try:
             return self._data[name]
         except KeyError:
-            raise AttributeError(
-                f"{self._path} has no key {name!r}; keys: {', '.join(sorted(self._data)) or 'none'}"
-            ) from None
+            raise AttributeError(self._missing(name)) from None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.to_dict(), self._path))
 
     def __getitem__(self, key: str) -> Any:
         try:
             return self._data[key]
         except KeyError:
-            raise KeyError(
-                f"{self._path} has no key {key!r}; keys: {', '.join(sorted(self._data)) or 'none'}"
-            ) from None
+            raise KeyError(self._missing(key)) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)
@@ -254,6 +258,9 @@ class Config(Section):
 
     def __getattr__(self, name: str) -> Any:  # slots cover the owned sections
         return Section.__getattr__(self, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Config, (self.to_dict(),))
 
     def to_dict(self) -> dict[str, Any]:
         """Return the config as plain nested dicts (owned sections dumped by pydantic)."""

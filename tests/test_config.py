@@ -152,3 +152,18 @@ def test_file_errors(tmp_path: Path, name: str, text: str, match: str) -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigError, match="config file 'nope/none.py' does not exist"):
         load_config("nope/none.py")
+
+
+def test_config_pickles_for_spawned_workers() -> None:
+    import pickle
+
+    cfg = Config({"parallel": {"tensor": 2, "pipeline": {"size": 2, "overlap": True}}, "dist": {"timeout": 5}, "model": {"h": 3}})
+    again = pickle.loads(pickle.dumps(cfg))
+    assert isinstance(again, Config)
+    assert again.to_dict() == cfg.to_dict()
+    assert again.model.h == 3 and again.parallel.pipeline.overlap is True
+    assert again.dist.timeout == timedelta(seconds=5)
+    section = pickle.loads(pickle.dumps(cfg.model))
+    assert section.h == 3
+    with pytest.raises(AttributeError, match="config.model has no key 'x'"):
+        section.x
