@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"processes on this node: {gpc.num_processes_on_current_node}, nodes: {gpc.num_nodes}")
         print("demo: all checks passed" if failures == 0 else f"demo: {failures} checks FAILED")
     verdict = torch.tensor([failures])
-    dist.broadcast(verdict, src=0, group=gpc.get_cpu_group(ParallelMode.GLOBAL)) if gpc.get_world_size(ParallelMode.GLOBAL) > 1 else None
+    if gpc.get_world_size(ParallelMode.GLOBAL) > 1:  # every rank exits with rank 0's verdict
+        dist.broadcast(verdict, src=0, group=gpc.get_cpu_group(ParallelMode.GLOBAL))
     gpc.destroy()
     return 0 if int(verdict.item()) == 0 else 1
 
