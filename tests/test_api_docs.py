@@ -37,3 +37,17 @@ def test_public_functions_have_docstrings() -> None:
                     if inspect.isfunction(meth) and not meth_name.startswith("_") and not inspect.getdoc(meth):
                         undocumented.append(f"{name}.{attr}.{meth_name}")
     assert not undocumented, undocumented
+
+
+def test_relative_links_in_docs_resolve() -> None:
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    pages = list((root / "docs").rglob("*.md")) + [root / "README.md"]
+    broken = [
+        f"{page.relative_to(root)} -> {target}"
+        for page in pages
+        for target in re.findall(r"\]\(([^)#\s]+)", page.read_text())
+        if not target.startswith(("http://", "https://")) and not (page.parent / target).exists()
+    ]
+    assert not broken, broken
