@@ -227,11 +227,10 @@ def _create(
     made: dict[tuple, ModeGroup] = {}
     out: dict[ParallelMode, ModeGroup] = {}
     for mode in creation_order(layout):
-        if mode is world:  # the default group, even in a world of one; O(1) members
-            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
-            continue
         sig = layout.signature(mode)
-        if sig == world_sig and layout.size(mode) == layout.world_size > 1:
+        # GLOBAL, and any mode spanning the whole world, is the default group (GLOBAL even in a
+        # world of one, where every signature is empty).
+        if mode is world or (sig == world_sig and layout.world_size > 1):
             out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
             continue
         members = _compact(layout.group_of(mode, rank))

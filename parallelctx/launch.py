@@ -321,6 +321,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def _run_launched(main_func: Callable[..., Any], args: tuple[Any, ...], config: ConfigLike, **kwargs: Any) -> None:
+    """Launch ``gpc`` with ``kwargs``, call ``main_func(*args)``, and tear ``gpc`` down after."""
+    launch(config, **kwargs)
+    try:
+        main_func(*args)
+    finally:
+        _gpc().destroy()
+
+
 def _spawn_worker(
     index: int,
     main_func: Callable[..., Any],
@@ -338,7 +347,9 @@ def _spawn_worker(
     """Body of one spawned worker: launch, run ``main_func``, tear down; on an exception, leave
     it pickled in ``error_dir`` for the parent and re-raise it."""
     try:
-        launch(
+        _run_launched(
+            main_func,
+            args,
             config,
             rank=node_rank * nprocs_per_node + index,
             world_size=world_size,
@@ -349,10 +360,6 @@ def _spawn_worker(
             seed=seed,
             timeout=timeout,
         )
-        try:
-            main_func(*args)
-        finally:
-            _gpc().destroy()
     except BaseException as exc:
         try:
             data = pickle.dumps(exc)
@@ -437,15 +444,9 @@ def spawn(
             )
     else:
         raise ValueError(f"dist_url={dist_url!r} must be 'auto', 'tcp://host:port' or 'file:///path'")
-    if isinstance(config, Config):
-        config = config.to_dict()  # plain data crosses the process boundary
 
     if world_size == 1:
-        launch(config, rank=0, world_size=1, local_rank=0, backend=backend, seed=seed, timeout=timeout)
-        try:
-            main_func(*args)
-        finally:
-            _gpc().destroy()
+        _run_launched(main_func, args, config, rank=0, world_size=1, local_rank=0, backend=backend, seed=seed, timeout=timeout)
         return
 
     with tempfile.TemporaryDirectory(prefix="parallelctx-spawn-") as error_dir:

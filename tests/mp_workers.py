@@ -91,7 +91,8 @@ def _record(case: dict[str, Any]) -> dict[str, Any]:
         "local_rank": gpc.local_rank,
         "config_model": gpc.config.model.hidden_size,
         "seeds_all": every,
-        "group_creations": gpc.group_creations,
+        # torch's own registry of groups: the default group plus every group made at launch
+        "torch_groups": len(dist.distributed_c10d._world.pg_names),
     }
 
 

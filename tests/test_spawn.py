@@ -82,7 +82,8 @@ def read(out_dir: Path, world: int) -> list[dict]:
 
 
 def test_spawn_four_ranks(tmp_path: Path) -> None:
-    spawn(probe_worker, nprocs_per_node=4, args=(str(tmp_path), 2), config={"parallel": {"tensor": 2}},
+    # a Config object (not a dict) crosses the process boundary by pickling
+    spawn(probe_worker, nprocs_per_node=4, args=(str(tmp_path), 2), config=parallelctx.Config({"parallel": {"tensor": 2}}),
           join_timeout=300)
     rows = read(tmp_path, 4)
     assert all(r["errors"] == [] for r in rows), rows
