@@ -5,7 +5,8 @@ the ``launch*`` functions or :func:`spawn`.
 """
 
 from .config import Config, ConfigError, load_config
-from .context import ModeView, NotLaunchedError, ParallelContext
+from .checkpoint import checkpoint, rng_context_fn
+from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
 from .env import LaunchEnv, LaunchEnvError
 from .launch import (
     SpawnError,
@@ -19,11 +20,9 @@ from .launch import (
 )
 from .layout import Layout, LayoutError, ParallelMode, plan
 from .mesh import MeshError
+from .seed import REPLICA
 
 __version__ = "0.1.0"
-
-gpc: ParallelContext = ParallelContext()
-"""The global parallel context: the one instance of :class:`ParallelContext`."""
 
 __all__ = [
     "Config",
@@ -37,7 +36,10 @@ __all__ = [
     "NotLaunchedError",
     "ParallelContext",
     "ParallelMode",
+    "REPLICA",
+    "RNGState",
     "SpawnError",
+    "checkpoint",
     "gpc",
     "init_dist",
     "launch",
@@ -47,5 +49,6 @@ __all__ = [
     "launch_from_torch",
     "load_config",
     "plan",
+    "rng_context_fn",
     "spawn",
 ]

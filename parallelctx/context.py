@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,15 +16,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .config import Config, load_config
 from .groups import create_groups
 from .layout import Layout, LayoutError, ParallelMode, plan
-from .seed import RNGStreams, mode_seed
+from .seed import STREAMS, RNGSnapshot, RNGStreams, Stream, mode_seed, parse_stream
 
-__all__ = ["ModeView", "NotLaunchedError", "ParallelContext"]
+__all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -45,7 +47,8 @@ class ModeView:
     """This rank's place in one mode, e.g. ``gpc.tensor``.
 
     ``rank`` is the local rank in the mode, ``size`` the group size, ``ranks`` the ascending
-    global ranks of the group, ``group``/``cpu_group`` the process groups (None for size 1),
+    global ranks of the group, ``group``/``cpu_group`` the process groups (a one-rank group of
+    this rank for a mode of size 1, never None),
     ``next_rank``/``prev_rank`` the global ranks after and before this one in ring order.
     """
 
@@ -67,6 +70,23 @@ class ModeView:
     def is_last(self) -> bool:
         """True on the group's last rank."""
         return self.rank == self.size - 1
+
+
+@dataclass(frozen=True)
+class RNGState:
+    """Every RNG stream of one rank, from :meth:`ParallelContext.get_rng_state`; picklable.
+
+    ``rank``, ``world_size`` and ``layout`` (the layout's description) say where it was taken;
+    :meth:`ParallelContext.set_rng_state` refuses it anywhere else.
+    """
+
+    rank: int
+    world_size: int
+    layout: str
+    seed: int
+    python: Any
+    numpy: Any
+    streams: RNGSnapshot
 
 
 class _ModeTable(dict):  # type: ignore[type-arg]
@@ -107,8 +127,9 @@ class ParallelContext:
     """The parallel context of this process. Use the one instance, ``parallelctx.gpc``.
 
     Lifecycle (what the ``launch*`` functions call, in this order): :meth:`load_config`,
-    :meth:`set_device`, :meth:`init_global_dist`, :meth:`init_parallel_groups`,
-    :meth:`detect_num_processes_on_current_node`, :meth:`set_seed`; :meth:`destroy` undoes all.
+    :meth:`init_global_dist`, :meth:`init_parallel_groups`,
+    :meth:`detect_num_processes_on_current_node`, :meth:`set_device`, :meth:`set_seed`;
+    :meth:`destroy` undoes all.
     """
 
     # Readable views, one per mode, set at launch (declared for type checkers).
@@ -130,6 +151,10 @@ class ParallelContext:
         # Names of the groups made on a default group parallelctx adopted; kept across destroy()
         # so that relaunching on the same default group cannot reuse them (see groups._claim_name).
         self._adopted_names: tuple[Any, set[tuple[Sequence[int], int]]] = (None, set())
+        # Rendezvous stores by URL, kept across destroy() so that a relaunch on the same host
+        # and port reuses rank 0's store server; each launch meets under its own key prefix.
+        self._stores: dict[tuple[str, int, int], Any] = {}
+        self._launches = 0
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -146,19 +171,40 @@ class ParallelContext:
         self._world_sizes = _ModeTable(lambda m: self._bad_mode(m, "get_world_size()"))
         self._groups = _ModeTable(lambda m: self._bad_mode(m, "get_group()"))
         self._cpu_groups = _ModeTable(lambda m: self._bad_mode(m, "get_cpu_group()"))
-        # Hot path: these four queries answer straight from a C-level dict lookup, since a Python
-        # method around it would cost twice as much. The methods of the same names below carry the
-        # documentation and the signatures; a miss raises the same clear errors.
-        self.get_local_rank = self._local_ranks.__getitem__  # type: ignore[method-assign]
-        self.get_world_size = self._world_sizes.__getitem__  # type: ignore[method-assign]
-        self.get_group = self._groups.__getitem__  # type: ignore[method-assign]
-        self.get_cpu_group = self._cpu_groups.__getitem__  # type: ignore[method-assign]
+        # Hot path: these four queries are closures over their tables, stored on the instance, so a
+        # call costs one Python frame and one dict lookup (no bound-method object, no self lookup).
+        # The methods of the same names below carry the documentation and the signatures (the
+        # same keyword, ``mode``); a miss raises the same clear errors.
+        local_ranks, world_sizes, groups, cpu_groups = (
+            self._local_ranks,
+            self._world_sizes,
+            self._groups,
+            self._cpu_groups,
+        )
+
+        def get_local_rank(mode: ParallelMode | str) -> int:
+            return local_ranks[mode]  # type: ignore[no-any-return]
+
+        def get_world_size(mode: ParallelMode | str) -> int:
+            return world_sizes[mode]  # type: ignore[no-any-return]
+
+        def get_group(mode: ParallelMode | str) -> Any:
+            return groups[mode]
+
+        def get_cpu_group(mode: ParallelMode | str) -> Any:
+            return cpu_groups[mode]
+
+        self.get_local_rank = get_local_rank  # type: ignore[method-assign]
+        self.get_world_size = get_world_size  # type: ignore[method-assign]
+        self.get_group = get_group  # type: ignore[method-assign]
+        self.get_cpu_group = get_cpu_group  # type: ignore[method-assign]
         self._first_stage: bool | None = None
         self._last_stage: bool | None = None
         self._views: dict[ParallelMode, ModeView] = {}
         self._group_calls = 0
         self._hostnames: tuple[str, ...] = ()
         self._streams: RNGStreams | None = None
+        self._seed: int | None = None
         self._device = torch.device("cpu")
         self._device_mesh: Any = None
         for mode, name in VIEW_NAMES.items():
@@ -216,6 +262,11 @@ class ParallelContext:
         initialised with the same rank and world size, that group is adopted and left alone by
         :meth:`destroy`.
 
+        Relaunching in the same processes works: the rendezvous store of a URL is kept across
+        :meth:`destroy` (under torchrun it is the launcher's own store) and every launch meets
+        under its own key prefix, ``parallelctx/launch-<n>``, where ``n`` counts this process's
+        launches. Every rank must therefore launch the same number of times.
+
         Raises:
             ValueError: a bad rank, world size, backend or port (the message names the value).
             RuntimeError: torch.distributed is initialised with another rank or world size, or a
@@ -235,20 +286,21 @@ class ParallelContext:
             self._owns_default_group = False
             backend = dist.get_backend()
         else:
-            kwargs: dict[str, Any] = {}
             if world_size == 1 and init_method is None:
-                kwargs["store"] = dist.HashStore()
-            elif init_method is not None:
-                kwargs["init_method"] = init_method
+                store: Any = dist.HashStore()
             else:
-                if port is None or not 0 < int(port) < 65536:
-                    raise ValueError(f"port={port!r} must be an integer in 1..65535 for a world of {world_size}")
-                if not host:
-                    raise ValueError("host must name the rank-0 machine (e.g. '127.0.0.1')")
-                h = f"[{host}]" if ":" in host and not host.startswith("[") else host
-                kwargs["init_method"] = f"tcp://{h}:{int(port)}"
+                if init_method is None:
+                    if port is None or not 0 < int(port) < 65536:
+                        raise ValueError(
+                            f"port={port!r} must be an integer in 1..65535 for a world of {world_size}"
+                        )
+                    if not host:
+                        raise ValueError("host must name the rank-0 machine (e.g. '127.0.0.1')")
+                    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+                    init_method = f"tcp://{h}:{int(port)}"
+                store = self._launch_store(init_method, rank, world_size, timeout)
             dist.init_process_group(
-                backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs
+                backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store
             )
             self._owns_default_group = True
         self._global_rank = rank
@@ -257,6 +309,18 @@ class ParallelContext:
         self._timeout = timeout
         self._local_ranks[ParallelMode.GLOBAL] = rank
         self._world_sizes[ParallelMode.GLOBAL] = world_size
+
+    def _launch_store(self, url: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+        """The store this launch meets on: the URL's store (made by torch's own rendezvous on
+        first use, kept after), under a prefix that is new for every launch of this process."""
+        key = (url, rank, world_size)
+        base = self._stores.get(key)
+        if base is None:
+            base, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+            self._stores[key] = base
+        base.set_timeout(timeout)
+        self._launches += 1
+        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", base)
 
     def init_parallel_groups(self) -> Layout:
         """Build the layout from the config's sizes and create this rank's process groups.
@@ -379,7 +443,8 @@ class ParallelContext:
         return len(same)
 
     def set_seed(self, seed: int | None = None) -> None:
-        """Seed Python, numpy and torch and register one RNG stream per mode.
+        """Seed Python, numpy and torch and register one RNG stream per mode, and the
+        ``"replica"`` stream (different across data-parallel replicas).
 
         ``seed`` defaults to the config's. The per-mode formula is in :mod:`parallelctx.seed`.
 
@@ -392,10 +457,9 @@ class ParallelContext:
         base = self.config.seed if seed is None else seed
         if isinstance(base, bool) or not isinstance(base, int) or not 0 <= base < 2**32:
             raise ValueError(f"seed={base!r} must be an integer in [0, 2**32)")
-        seeds = {
-            mode: mode_seed(self._layout, self._global_rank, mode, base) for mode in ParallelMode
-        }
+        seeds = {key: mode_seed(self._layout, self._global_rank, key, base) for key in STREAMS}
         self._streams = RNGStreams(seeds, cuda=self._device.type == "cuda")
+        self._seed = base
 
     def destroy(self) -> None:
         """Tear down every group parallelctx made (and the default group when it made that),
@@ -603,30 +667,102 @@ class ParallelContext:
             self._device_mesh = build_device_mesh(self)
         return self._device_mesh
 
-    def get_seed(self, mode: ParallelMode | str) -> int:
-        """Return the seed of ``mode``'s RNG stream on this rank.
+    def get_seed(self, mode: Stream) -> int:
+        """Return the seed of ``mode``'s RNG stream on this rank (``mode`` may also be
+        ``"replica"``).
 
         Raises:
             NotLaunchedError: before :meth:`set_seed`.
-            LayoutError: ``mode`` is not a parallel mode.
+            LayoutError: ``mode`` names no stream.
         """
         if self._streams is None:
             raise self._not_launched("get_seed()")
-        return self._streams.seeds[ParallelMode.parse(mode)]
+        return self._streams.seeds[parse_stream(mode)]
 
     @contextlib.contextmanager
-    def seed(self, mode: ParallelMode | str) -> Iterator[None]:
+    def seed(self, mode: Stream) -> Iterator[None]:
         """``with gpc.seed(mode):`` runs the body on ``mode``'s RNG stream (CPU and CUDA
         generators) and switches back after; the stream resumes where it stopped.
+        ``gpc.seed("replica")`` enters the stream that differs across data-parallel replicas.
 
         Raises:
             NotLaunchedError: before :meth:`set_seed`.
-            LayoutError: ``mode`` is not a parallel mode.
+            LayoutError: ``mode`` names no stream.
         """
         if self._streams is None:
             raise self._not_launched("gpc.seed()")
-        with self._streams.fork(ParallelMode.parse(mode)):
+        with self._streams.fork(parse_stream(mode)):
             yield
+
+    @property
+    def rng_streams(self) -> RNGStreams:
+        """The per-mode :class:`~parallelctx.seed.RNGStreams` (what :func:`parallelctx.checkpoint`
+        saves and restores). Raises NotLaunchedError before :meth:`set_seed`."""
+        if self._streams is None:
+            raise self._not_launched("gpc.rng_streams")
+        return self._streams
+
+    def get_rng_state(self) -> RNGState:
+        """Return every RNG stream of this rank: Python's ``random``, numpy's global generator,
+        the default torch generators (CPU, and CUDA where used) and each mode's stream.
+
+        The result pickles; save it with a training checkpoint (one per rank) and give it to
+        :meth:`set_rng_state` to resume with the same dropout masks.
+
+        Returns:
+            An :class:`RNGState`.
+
+        Raises:
+            NotLaunchedError: before :meth:`set_seed`.
+        """
+        streams = self.rng_streams
+        return RNGState(
+            rank=self._global_rank,
+            world_size=self._world_size,
+            layout=self.layout.describe(),
+            seed=self._seed if self._seed is not None else -1,
+            python=random.getstate(),
+            numpy=np.random.get_state(),
+            streams=streams.snapshot(),
+        )
+
+    def set_rng_state(self, state: RNGState) -> None:
+        """Restore every stream from ``state`` (see :meth:`get_rng_state`); may be called
+        inside ``with gpc.seed(...)`` blocks, which keep running on their own stream.
+
+        Raises:
+            NotLaunchedError: before :meth:`set_seed`.
+            TypeError: ``state`` is not an :class:`RNGState`.
+            ValueError: ``state`` was taken on another rank, world size or layout, or with CUDA
+                state where this rank has none (or the reverse); the message says which.
+        """
+        streams = self.rng_streams
+        if not isinstance(state, RNGState):
+            raise TypeError(f"set_rng_state takes what gpc.get_rng_state() returned, not {type(state).__name__}")
+        where = [
+            (name, theirs, mine)
+            for name, theirs, mine in (
+                ("rank", state.rank, self._global_rank),
+                ("world_size", state.world_size, self._world_size),
+                ("layout", state.layout, self.layout.describe()),
+            )
+            if theirs != mine
+        ]
+        if where:
+            diffs = "; ".join(f"{name} {theirs!r} there, {mine!r} here" for name, theirs, mine in where)
+            raise ValueError(
+                f"this RNG state was taken elsewhere ({diffs}); restore each rank's own state "
+                "(save one per global rank) under the same layout"
+            )
+        has_cuda = next(iter(state.streams.states.values()))[1] is not None
+        if has_cuda != streams.cuda:
+            raise ValueError(
+                f"this RNG state {'has' if has_cuda else 'has no'} CUDA generator states but this "
+                f"rank {'uses' if streams.cuda else 'does not use'} CUDA; restore it on the same kind of device"
+            )
+        streams.restore(state.streams)
+        random.setstate(state.python)
+        np.random.set_state(state.numpy)
 
     def summary(self) -> str:
         """Return the one-line launch summary."""
@@ -650,3 +786,7 @@ def resolve_backend(backend: str | None) -> str:
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo' or 'auto'")
     return backend
+
+
+gpc: ParallelContext = ParallelContext()
+"""The global parallel context: the one instance of :class:`ParallelContext`."""

@@ -6,7 +6,9 @@ its cost is O(number of modes), not O(world size). Creation follows one rank-ind
 synchronization a group's name hashes its members *and* how many groups the process already
 has, so every member must have made the same groups before it.
 
-* A mode of size 1 gets no process group.
+* Every mode of size 1 shares one one-rank group of this rank (never None, which torch would
+  read as the whole world): one more local ``new_group`` call (two with a CPU twin), no
+  connections. In a world of one it is the default group.
 * A mode whose groups equal the whole world uses the default group.
 * Modes whose groups have identical members share one process group.
 * With an accelerator backend a gloo group is made beside each group, for object collectives
@@ -51,7 +53,10 @@ logger = logging.getLogger("parallelctx")
 
 @dataclass(frozen=True)
 class ModeGroup:
-    """This rank's group of one mode: members, and the process groups (None for size 1).
+    """This rank's group of one mode: members, and the process groups.
+
+    A mode of size 1 gets a one-rank group of this rank (the same one for every such mode),
+    never None: torch reads ``group=None`` as the whole world.
 
     ``ranks`` is a ``range`` when the members are evenly spaced (the world and every group that
     spans one axis, or contiguous axes), so neither its memory nor ``ranks.index(rank)`` grows
@@ -59,8 +64,8 @@ class ModeGroup:
     """
 
     ranks: Sequence[int]
-    group: dist.ProcessGroup | None
-    cpu_group: dist.ProcessGroup | None
+    group: dist.ProcessGroup
+    cpu_group: dist.ProcessGroup
 
 
 def _compact(members: list[int]) -> Sequence[int]:
@@ -173,6 +178,39 @@ def _group_everywhere(
     return mine, len(rows)
 
 
+def _one_rank_group(
+    layout: Layout,
+    rank: int,
+    timeout: timedelta,
+    cpu_backend: str | None,
+    blocker: str | None,
+    used: set[tuple[Sequence[int], int]],
+) -> tuple[ModeGroup, int]:
+    """Create the one-rank group of ``rank`` (and its CPU twin); return it and the call count.
+
+    With local synchronization it is one local call (two with a CPU twin) and no connection;
+    where local synchronization is blocked every rank makes every rank's one-rank group.
+    """
+    members = range(rank, rank + 1)
+    if blocker is not None:
+        rows = [[r] for r in range(layout.world_size)]
+        group = cpu_group = None
+        for row in rows:
+            g = dist.new_group(row, timeout=timeout, group_desc="parallelctx_self")
+            c = g
+            if cpu_backend is not None:
+                c = dist.new_group(row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu")
+            if row[0] == rank:
+                group, cpu_group = g, c
+        per_row = 1 if cpu_backend is None else 2
+        return ModeGroup(members, group, cpu_group), per_row * len(rows)  # type: ignore[arg-type]
+    group = _local_group(members, timeout, None, "parallelctx_self", used)
+    cpu_group = group
+    if cpu_backend is not None:
+        cpu_group = _local_group(members, timeout, cpu_backend, "parallelctx_self_cpu", used)
+    return ModeGroup(members, group, cpu_group), 1 if cpu_backend is None else 2
+
+
 def create_groups(
     layout: Layout,
     rank: int,
@@ -226,6 +264,9 @@ def _create(
         calls += 1
     made: dict[tuple, ModeGroup] = {}
     out: dict[ParallelMode, ModeGroup] = {}
+    alone: ModeGroup | None = None  # the one-rank group every size-1 mode shares
+    if layout.world_size == 1:
+        alone = ModeGroup(range(rank, rank + 1), default_group, cpu_world)
     for mode in creation_order(layout):
         sig = layout.signature(mode)
         # GLOBAL, and any mode spanning the whole world, is the default group (GLOBAL even in a
@@ -235,8 +276,12 @@ def _create(
             continue
         members = _compact(layout.group_of(mode, rank))
         if layout.size(mode) == 1:
-            if members:
-                out[mode] = ModeGroup(members, None, None)
+            if not members:
+                continue
+            if alone is None:
+                alone, n = _one_rank_group(layout, rank, timeout, cpu_backend, blocker, used)
+                calls += n
+            out[mode] = alone
         elif sig in made:
             if members:
                 out[mode] = made[sig]

@@ -18,7 +18,7 @@ from typing import Any
 
 from . import env as _env
 from .config import Config, to_timedelta
-from .context import ParallelContext
+from .context import ParallelContext, gpc
 
 __all__ = [
     "SpawnError",
@@ -38,8 +38,6 @@ ConfigLike = Config | Mapping[str, Any] | str | Path | None
 
 
 def _gpc() -> ParallelContext:
-    from . import gpc
-
     return gpc
 
 

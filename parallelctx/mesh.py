@@ -3,21 +3,17 @@
 The mesh is built from the process groups parallelctx already made, with
 ``DeviceMesh.from_group``, so building it (and slicing it, ``mesh["tp"]``) creates no process
 group. Its dimensions are the *enabled* axes (size > 1), slowest-varying first as the order
-string puts them:
+string puts them. Every axis is a dimension, size 1 included:
 
 * dense mesh (``gpc.device_mesh``): ``pp``, ``dp``, ``cp``, ``tp`` (PIPELINE, DATA, CONTEXT,
-  TENSOR). With the default order ``"tp-cp-ep-dp-pp"`` the dims are ``("pp", "dp", "cp", "tp")``
-  less those of size 1; with ``"tp-pp-dp"`` they are ``("dp", "pp", "tp")``.
+  TENSOR). With the default order ``"tp-cp-ep-dp-pp"`` the dims are ``("pp", "dp", "cp", "tp")``;
+  with ``"tp-pp-dp"`` they are ``("cp", "dp", "pp", "tp")`` (axes the order string does not
+  name come slowest; they have size 1).
 * expert mesh (``build_device_mesh(gpc, grid="expert")``): ``pp``, ``edp``, ``ep``, ``etp``
   (PIPELINE, EXPERT_DATA, EXPERT, EXPERT_TENSOR), in the same order.
 
-Two rules for sizes of 1:
-
-* an axis of size 1 has no process group, so it is **not a dimension**; ``mesh["cp"]`` with
-  context size 1 raises torch's ``KeyError``. Test with ``"cp" in mesh.mesh_dim_names``.
-* when every axis has size 1 (a world of one process) the mesh is 1-d, named ``"dp"``
-  (``"edp"`` for the expert grid), of size 1, over the default process group, so single-process
-  runs of DTensor/FSDP2 code work unchanged.
+A dimension of size 1 lies on the one-rank group that every size-1 mode shares, so
+``mesh["tp"]`` works with tensor size 1 too and model code needs no guard.
 
 The mesh tensor holds global ranks; the ranks along each dimension are ascending, so a rank's
 coordinate on a dimension equals its local rank in that mode.
@@ -83,9 +79,8 @@ class MeshPlan:
 def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
     """Compute the mesh of ``layout``'s ``"dense"`` or ``"expert"`` grid; pure, no torch.
 
-    The dimensions are the grid's axes of size > 1 that the mesh covers (see
-    :data:`MESH_DIMS`), slowest-varying first; when there are none (a world of one) the mesh is
-    1-d, named ``"dp"`` (``"edp"``), over the one rank. Rank ``r`` sits at the coordinates with
+    The dimensions are every axis of the grid that the mesh covers (see :data:`MESH_DIMS`),
+    size 1 included, slowest-varying first. Rank ``r`` sits at the coordinates with
     ``r == sum(coord * stride)`` for the grid's strides.
 
     Returns:
@@ -98,10 +93,7 @@ def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
         raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
     strides = layout.strides(grid)
     sizes = {token: layout.size(mode) for token, (_, mode) in MESH_DIMS[grid].items()}
-    dims = [t for t in reversed(layout.tokens) if t in MESH_DIMS[grid] and sizes[t] > 1]
-    if not dims:
-        name, mode = MESH_DIMS[grid]["dp"]
-        return MeshPlan((name,), (1,), (mode,), np.zeros(1, dtype=np.int64))
+    dims = [t for t in reversed(layout.tokens) if t in MESH_DIMS[grid]]
     shape = tuple(sizes[t] for t in dims)
     ranks = np.zeros(shape, dtype=np.int64)
     for axis, token in enumerate(dims):
@@ -150,7 +142,7 @@ def build_device_mesh(ctx: ParallelContext, grid: str = "dense") -> DeviceMesh:
     plan = mesh_plan(layout, grid)
     groups: list[Any] = []
     for dim, (name, mode) in enumerate(zip(plan.dim_names, plan.modes)):
-        group = ctx.get_group(mode) if layout.world_size > 1 else dist.group.WORLD
+        group = ctx.get_group(mode)
         if group is None:
             raise MeshError(
                 f"mesh dimension {name!r} ({mode.value}, size {plan.shape[dim]}) has no process "

@@ -1,13 +1,19 @@
 """Per-mode seeds and RNG streams.
 
-The seed of mode ``m`` on a rank is::
+The seed of stream ``s`` on a rank is::
 
-    seed(m) = base + k(m) * 2**32 + index(m)
+    seed(s) = base + SLOT[s] * 2**32 + index(s)
 
-``k(m)`` is the mode's position in :class:`ParallelMode` (GLOBAL = 0, so the default stream is
-``base + pp``), and ``index(m)`` is a mixed-radix number, pipeline coordinate slowest, over the
-coordinates the stream must differ along (:data:`STREAM_AXES`). Since ``base < 2**32`` and
-``index < world_size <= 2**32``, two modes never share a seed on one rank.
+``SLOT[s]`` is a fixed number per stream (:data:`STREAM_SLOTS`; GLOBAL = 0, so the default stream
+is ``base + pp``). Slots are pinned, never derived from the enum's order, so adding a mode never
+changes an existing seed and bit-exact resumes keep working. ``index(s)`` is a mixed-radix number,
+pipeline coordinate slowest, over the coordinates the stream must differ along
+(:data:`STREAM_AXES`). Since ``base < 2**32`` and ``index < world_size <= 2**32``, two streams
+never share a seed on one rank.
+
+Besides one stream per :class:`ParallelMode` there is :data:`REPLICA`, a stream that differs
+across data-parallel replicas (and pipeline stages) and agrees inside a replica (across its
+tensor and context ranks): per-replica noise such as data augmentation.
 
 A stream holds a CPU generator state (and one CUDA state when CUDA is present).
 ``with streams.fork(mode):`` swaps the default generators to that stream and back, and the
@@ -19,17 +25,53 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from .layout import Layout, ParallelMode
 
-__all__ = ["STREAM_AXES", "RNGStreams", "mode_seed", "seed_everything"]
+__all__ = [
+    "REPLICA",
+    "STREAM_AXES",
+    "STREAM_SLOTS",
+    "RNGSnapshot",
+    "RNGStreams",
+    "Stream",
+    "mode_seed",
+    "seed_everything",
+]
+
+REPLICA = "replica"
+"""Name of the stream that differs across data-parallel replicas: ``with gpc.seed("replica"):``
+(or ``gpc.replica_seed()``)."""
+
+Stream = ParallelMode | str
+"""A stream key: a :class:`ParallelMode`, or :data:`REPLICA`."""
+
+# Pinned slot of each stream: part of the seed formula, so never renumber or reuse one.
+STREAM_SLOTS: dict[Any, int] = {
+    ParallelMode.GLOBAL: 0,
+    ParallelMode.TENSOR: 1,
+    ParallelMode.PIPELINE: 2,
+    ParallelMode.DATA: 3,
+    ParallelMode.CONTEXT: 4,
+    ParallelMode.MODEL: 5,
+    ParallelMode.DATA_CONTEXT: 6,
+    ParallelMode.EMBEDDING: 7,
+    ParallelMode.EXPERT: 8,
+    ParallelMode.EXPERT_TENSOR: 9,
+    ParallelMode.EXPERT_DATA: 10,
+    ParallelMode.EXPERT_TENSOR_AND_EXPERT: 11,
+    ParallelMode.EXPERT_MODEL: 12,
+    REPLICA: 64,
+}
 
 # The coordinates each stream varies along, slowest first. A stream is shared by ranks that
 # agree on all of these; "pp" everywhere gives each pipeline stage its own streams.
-STREAM_AXES: dict[ParallelMode, tuple[str, ...]] = {
+STREAM_AXES: dict[Any, tuple[str, ...]] = {
     ParallelMode.GLOBAL: ("pp",),
     ParallelMode.TENSOR: ("pp", "tp"),
     ParallelMode.PIPELINE: ("pp",),
@@ -43,35 +85,42 @@ STREAM_AXES: dict[ParallelMode, tuple[str, ...]] = {
     ParallelMode.EXPERT_DATA: ("pp",),
     ParallelMode.EXPERT_TENSOR_AND_EXPERT: ("pp", "ep", "etp"),
     ParallelMode.EXPERT_MODEL: ("pp", "ep", "etp"),
+    REPLICA: ("pp", "dp"),
 }
 
-_MODE_SLOT = {mode: i for i, mode in enumerate(ParallelMode)}
+STREAMS: tuple[Any, ...] = (*ParallelMode, REPLICA)
+"""Every stream key, in slot order."""
+
+_missing = [m for m in STREAMS if m not in STREAM_SLOTS or m not in STREAM_AXES]
+if _missing:  # caught by the import itself, so a new mode cannot ship without its seed rules
+    raise ImportError(f"parallelctx.seed: no seed slot or axes for {_missing}; add them to STREAM_SLOTS/AXES")
+if len(set(STREAM_SLOTS.values())) != len(STREAM_SLOTS):
+    raise ImportError("parallelctx.seed: two streams share a seed slot")
 
 
-def _axis_size(layout: Layout, axis: str) -> int:
-    return {
-        "tp": layout.tensor,
-        "cp": layout.context,
-        "dp": layout.data,
-        "pp": layout.pipeline,
-        "etp": layout.expert_tensor,
-        "ep": layout.expert,
-        "edp": layout.expert_data,
-    }[axis]
+def parse_stream(stream: Stream) -> Any:
+    """Return the stream key for ``stream``: a :class:`ParallelMode`, or :data:`REPLICA`.
+
+    Raises:
+        LayoutError: ``stream`` names neither a mode nor ``"replica"``.
+    """
+    if stream == REPLICA:
+        return REPLICA
+    return ParallelMode.parse(stream)
 
 
-def mode_seed(layout: Layout, rank: int, mode: ParallelMode | str, base: int) -> int:
+def mode_seed(layout: Layout, rank: int, mode: Stream, base: int) -> int:
     """Return the seed of ``mode``'s stream on ``rank`` (formula in the module docstring).
 
     Raises:
-        LayoutError: an unknown mode or a rank outside the world.
+        LayoutError: an unknown stream or a rank outside the world.
     """
-    mode = ParallelMode.parse(mode)
+    key = parse_stream(mode)
     coords = layout.coords(rank)
     index = 0
-    for axis in STREAM_AXES[mode]:
-        index = index * _axis_size(layout, axis) + coords[axis]
-    return base + _MODE_SLOT[mode] * 2**32 + index
+    for axis in STREAM_AXES[key]:
+        index = index * layout.axis_size(axis) + coords[axis]
+    return base + STREAM_SLOTS[key] * 2**32 + index
 
 
 def seed_everything(seed: int) -> None:
@@ -81,14 +130,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+_State = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class RNGSnapshot:
+    """Every stream's generator states at one moment (see :meth:`RNGStreams.snapshot`)."""
+
+    active: Any
+    states: dict[Any, _State]
+
+
 class RNGStreams:
-    """One RNG stream per mode, entered with :meth:`fork`.
+    """One RNG stream per mode (and :data:`REPLICA`), entered with :meth:`fork`.
 
     The stream of GLOBAL is the default generators' own state: outside any ``fork`` the process
     runs on it.
     """
 
-    def __init__(self, seeds: dict[ParallelMode, int], cuda: bool) -> None:
+    def __init__(self, seeds: dict[Any, int], cuda: bool) -> None:
         """Create a stream per entry of ``seeds``; the GLOBAL seed seeds the default generators.
 
         Raises:
@@ -96,8 +156,8 @@ class RNGStreams:
         """
         self.seeds = dict(seeds)
         self._cuda = cuda
-        self._states: dict[ParallelMode, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._active = ParallelMode.GLOBAL
+        self._states: dict[Any, _State] = {}
+        self._active: Any = ParallelMode.GLOBAL
         seed_everything(self.seeds[ParallelMode.GLOBAL])
         saved = self._capture()
         for mode, seed in self.seeds.items():
@@ -105,16 +165,44 @@ class RNGStreams:
             self._states[mode] = self._capture()
         self._restore(saved)
 
-    def _capture(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    @property
+    def cuda(self) -> bool:
+        """Whether each stream holds a CUDA generator state too."""
+        return self._cuda
+
+    def _capture(self) -> _State:
         return torch.get_rng_state(), (torch.cuda.get_rng_state() if self._cuda else None)
 
-    def _restore(self, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    def _restore(self, state: _State) -> None:
         torch.set_rng_state(state[0])
         if state[1] is not None:
             torch.cuda.set_rng_state(state[1])
 
+    def snapshot(self) -> RNGSnapshot:
+        """Return the state of every stream now (the active one read from the generators).
+
+        Returns:
+            An :class:`RNGSnapshot`; its tensors are copies, safe to keep.
+        """
+        states = dict(self._states)
+        states[self._active] = self._capture()
+        return RNGSnapshot(self._active, states)
+
+    def restore(self, snap: RNGSnapshot) -> None:
+        """Put every stream back to ``snap``, wherever the caller is: the generators get the
+        state of the stream active now, the other streams wait in the table.
+
+        Raises:
+            KeyError: ``snap`` lacks a stream this object has (it came from another layout).
+        """
+        missing = set(self._states) - set(snap.states)
+        if missing:
+            raise KeyError(f"the RNG snapshot has no state for streams {sorted(map(str, missing))}")
+        self._states = dict(snap.states)
+        self._restore(self._states[self._active])
+
     @contextlib.contextmanager
-    def fork(self, mode: ParallelMode) -> Iterator[None]:
+    def fork(self, mode: Any) -> Iterator[None]:
         """Run the body on ``mode``'s stream (CPU and CUDA), then switch back.
 
         The generators always hold the active stream; the others wait in ``_states``.

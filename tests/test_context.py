@@ -58,9 +58,11 @@ def test_world_of_one_answers_every_mode(launched) -> None:
         assert gpc.get_ranks_in_group(mode) == [0]
         assert gpc.is_first_rank(mode) and gpc.is_last_rank(mode)
         assert gpc.get_next_global_rank(mode) == gpc.get_prev_global_rank(mode) == 0
-        assert gpc.get_group(mode) is None or mode is ParallelMode.GLOBAL
+        assert gpc.get_group(mode) is dist.group.WORLD  # in a world of one, the one-rank group
+        assert gpc.get_group(mode=mode) is gpc.get_cpu_group(mode=mode)
+        assert gpc.get_local_rank(mode=mode) == 0 and gpc.get_world_size(mode=mode) == 1
     assert gpc.get_group(ParallelMode.GLOBAL) is dist.group.WORLD
-    assert gpc.tensor.rank == 0 and gpc.tensor.size == 1 and gpc.tensor.group is None
+    assert gpc.tensor.rank == 0 and gpc.tensor.size == 1 and gpc.tensor.group is dist.group.WORLD
     assert gpc.is_rank_for_log()
     assert gpc.num_processes_on_current_node == 1 and gpc.num_nodes == 1 and gpc.node_rank == 0
     assert gpc.config.model.hidden_size == 8

@@ -35,36 +35,39 @@ def test_default_order_dims_are_pp_dp_cp_tp() -> None:
 
 def test_internlm_order_puts_data_outermost() -> None:
     p = mesh_plan(plan(8, tensor=2, pipeline=2, order="tp-pp-dp"))
-    assert p.dim_names == ("dp", "pp", "tp")
+    assert p.dim_names == ("cp", "dp", "pp", "tp")  # axes the order does not name (cp) come slowest
     assert p.dim_groups(1) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # design.md's "tp-pp-dp" PIPELINE
     assert p.dim_groups(0) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def test_size_one_axes_are_not_dimensions() -> None:
-    assert mesh_plan(plan(8, tensor=2, pipeline=2)).dim_names == ("pp", "dp", "tp")
-    assert mesh_plan(plan(8, tensor=8)).dim_names == ("tp",)
-    assert mesh_plan(plan(8)).dim_names == ("dp",)
-    assert mesh_plan(plan(8, context=4)).dim_names == ("dp", "cp")
+def test_size_one_axes_are_dimensions_of_size_one() -> None:
+    assert mesh_plan(plan(8, tensor=2, pipeline=2)).shape == (2, 2, 1, 2)
+    assert mesh_plan(plan(8, tensor=8)).shape == (1, 1, 1, 8)
+    assert mesh_plan(plan(8)).shape == (1, 8, 1, 1)
+    p = mesh_plan(plan(8, context=4))
+    assert (p.dim_names, p.shape) == (("pp", "dp", "cp", "tp"), (1, 2, 4, 1))
+    assert p.dim_groups(3) == [[r] for r in range(8)]  # tp of size 1: each rank alone
 
 
-def test_world_of_one_is_a_one_rank_dp_mesh() -> None:
+def test_world_of_one_has_every_dimension_of_size_one() -> None:
     p = mesh_plan(plan(1))
-    assert (p.dim_names, p.shape, p.ranks.tolist()) == (("dp",), (1,), [0])
+    assert (p.dim_names, p.shape, p.ranks.ravel().tolist()) == (("pp", "dp", "cp", "tp"), (1, 1, 1, 1), [0])
     e = mesh_plan(plan(1), grid="expert")
-    assert (e.dim_names, e.modes) == (("edp",), (ParallelMode.EXPERT_DATA,))
+    assert e.dim_names == ("pp", "edp", "ep", "etp")
+    assert e.modes[1] is ParallelMode.EXPERT_DATA
 
 
 def test_expert_mesh_dims() -> None:
     layout = plan(16, tensor=2, pipeline=2, expert=2, expert_tensor=1)
     p = mesh_plan(layout, grid="expert")
-    assert p.dim_names == ("pp", "edp", "ep")  # expert_tensor=1 is dropped
-    assert p.shape == (2, 4, 2)
+    assert p.dim_names == ("pp", "edp", "ep", "etp")  # expert_tensor=1 is a dimension of size 1
+    assert p.shape == (2, 4, 2, 1)
 
 
 def test_docs_expert_mesh_example_with_pp_before_dp() -> None:
     layout = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1, order="tp-cp-ep-pp-dp")
-    assert mesh_plan(layout).dim_names == ("dp", "pp", "tp")
-    assert mesh_plan(layout, grid="expert").dim_names == ("edp", "pp", "ep")
+    assert mesh_plan(layout).dim_names == ("dp", "pp", "cp", "tp")
+    assert mesh_plan(layout, grid="expert").dim_names == ("edp", "pp", "ep", "etp")
 
 
 def test_bad_grid_is_named() -> None:
@@ -88,12 +91,12 @@ def test_every_dimension_matches_the_layout(order: str) -> None:
             for grid in ("dense", "expert"):
                 p = mesh_plan(layout, grid)
                 assert sorted(p.ranks.ravel().tolist()) == list(range(world))
-                enabled = [mode for _, mode in MESH_DIMS[grid].values() if layout.size(mode) > 1]
-                assert sorted(p.modes, key=str) == sorted(enabled, key=str) or (world == 1 and not enabled)
+                every = [mode for _, mode in MESH_DIMS[grid].values()]
+                assert sorted(p.modes, key=str) == sorted(every, key=str)
                 for dim, mode in enumerate(p.modes):
                     assert p.dim_groups(dim) == layout.groups(mode), (layout.describe(), grid, mode)
-                # slowest first: strides along the dims decrease
-                strides = [layout.strides(grid)[t] for t in _tokens(p, grid)]
+                # slowest first: strides along the dims of size > 1 decrease
+                strides = [layout.strides(grid)[t] for t, n in zip(_tokens(p, grid), p.shape) if n > 1]
                 assert strides == sorted(strides, reverse=True)
             checked += 1
     assert checked > 50
@@ -121,10 +124,12 @@ class _StubContext:
 def test_a_group_that_does_not_match_the_mesh_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # rank 3 of W=8, tensor 2, pipeline 2: its tp slice is [2, 3]; pretend torch's group holds [3, 5].
     layout = plan(8, tensor=2, pipeline=2)
-    groups = {mode: object() for mode in (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.TENSOR)}
+    modes = (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.CONTEXT, ParallelMode.TENSOR)
+    groups = {mode: object() for mode in modes}
     members = {
         id(groups[ParallelMode.PIPELINE]): [3, 7],
         id(groups[ParallelMode.DATA]): [1, 3],
+        id(groups[ParallelMode.CONTEXT]): [3],
         id(groups[ParallelMode.TENSOR]): [3, 5],
     }
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda g: members[id(g)])
@@ -301,12 +306,10 @@ EIGHT_LAYOUT = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1)
 
 
 def test_every_mesh_dimension_is_its_group_8_ranks(eight_ranks: list[dict[str, Any]]) -> None:
-    assert eight_ranks[0]["dim_names"] == {"dense": ["pp", "dp", "tp"], "expert": ["pp", "edp", "ep"]}
+    # cp (dense) and etp (expert) have size 1: dimensions on the one-rank group, probed like the rest
+    assert eight_ranks[0]["dim_names"] == {"dense": ["pp", "dp", "cp", "tp"], "expert": ["pp", "edp", "ep", "etp"]}
     _check_dims(EIGHT_LAYOUT, eight_ranks, ("dense", "expert"))
-    assert all(
-        r["missing_raise_keyerror"] == ["dense.cp", "dense.etp", "expert.tp", "expert.cp", "expert.etp"]
-        for r in eight_ranks
-    )
+    assert all(r["missing_raise_keyerror"] == ["dense.etp", "expert.tp", "expert.cp"] for r in eight_ranks)
 
 
 def test_dtensor_over_the_tp_mesh_8_ranks(eight_ranks: list[dict[str, Any]]) -> None:
@@ -317,7 +320,7 @@ def test_device_mesh_over_the_world_group_2_ranks(tmp_path: Path) -> None:
     # tensor spans the world: gpc's TENSOR group is the default group, and so is the mesh's.
     results = _run(tmp_path, 2, dict(tensor=2), expert_mesh=False)
     layout = plan(2, tensor=2)
-    assert results[0]["dim_names"]["dense"] == ["tp"]
+    assert results[0]["dim_names"]["dense"] == ["pp", "dp", "cp", "tp"]
     _check_dims(layout, results, ("dense",))
     _check_dtensor(layout, results)
 
@@ -332,7 +335,7 @@ def _single_worker(out_dir: str) -> None:
             {
                 "names": list(mesh.mesh_dim_names),
                 "shape": list(mesh.shape),
-                "is_world": mesh.get_group() is dist.group.WORLD,
+                "is_world": all(mesh[n].get_group() is dist.group.WORLD for n in mesh.mesh_dim_names),
                 "local": dt.to_local().tolist(),
             }
         )
@@ -342,7 +345,12 @@ def _single_worker(out_dir: str) -> None:
 def test_device_mesh_world_of_one(tmp_path: Path) -> None:
     parallelctx.spawn(_single_worker, 1, args=(str(tmp_path),), config={}, backend="gloo", join_timeout=60)
     res = json.loads(Path(tmp_path, "single.json").read_text())
-    assert res == {"names": ["dp"], "shape": [1], "is_world": True, "local": _full(0, 4, 3).tolist()}
+    assert res == {
+        "names": ["pp", "dp", "cp", "tp"],
+        "shape": [1, 1, 1, 1],
+        "is_world": True,
+        "local": _full(0, 4, 3).tolist(),
+    }
 
 
 def test_device_mesh_before_launch_raises() -> None:

@@ -15,6 +15,7 @@ import torch
 
 import parallelctx
 from parallelctx import ParallelMode, plan
+from parallelctx.launch import free_port
 
 from mp_workers import case_config, run_cases
 
@@ -46,10 +47,13 @@ def _layout(case: dict[str, Any]):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("mp")
+    port = free_port()
+    # every case after the first relaunches in the same processes on the same host and port
     parallelctx.spawn(
         run_cases,
         nprocs_per_node=WORLD,
-        args=(str(out), CASES),
+        dist_url=f"tcp://127.0.0.1:{port}",
+        args=(str(out), CASES, port),
         config=case_config(CASES[0]),
         join_timeout=600,
     )
@@ -83,17 +87,17 @@ def test_groups_proven_by_collectives(results, index: int) -> None:
             assert entry["next"] == expected[(local + 1) % len(expected)]
             assert entry["prev"] == expected[(local - 1) % len(expected)]
             assert entry["first"] == (local == 0) and entry["last"] == (local == len(expected) - 1)
-            assert entry["has_group"] == (len(expected) > 1)
-            if len(expected) > 1:
-                for key in ("measured", "measured_cpu"):
-                    measured = entry[key]
-                    # the one-hot all-reduce sums exactly the members, each once
-                    assert measured["sum"] == [1 if r in expected else 0 for r in range(WORLD)], (mode, rank, key)
-                    # the group's own rank order is ascending global rank, and ours matches it
-                    assert measured["order"] == expected
-                    assert measured["group_rank"] == local
-                    # the config's timeout (120 s) reached the subgroup, as torch holds it
-                    assert measured["timeout"] == 120.0
+            # every mode has a real group, size 1 included (None would mean the whole world)
+            assert entry["has_group"]
+            for key in ("measured", "measured_cpu"):
+                measured = entry[key]
+                # the one-hot all-reduce sums exactly the members, each once
+                assert measured["sum"] == [1 if r in expected else 0 for r in range(WORLD)], (mode, rank, key)
+                # the group's own rank order is ascending global rank, and ours matches it
+                assert measured["order"] == expected
+                assert measured["group_rank"] == local
+                # the config's timeout (120 s) reached the subgroup, as torch holds it
+                assert measured["timeout"] == 120.0
         pipe = layout.group_of(ParallelMode.PIPELINE, rank)
         assert record["pipeline_first"] == (rank == pipe[0])
         assert record["pipeline_last"] == (rank == pipe[-1])
@@ -153,4 +157,6 @@ def test_group_creations_are_a_small_constant(results) -> None:
                 for m in ParallelMode
                 if len(layout.group_of(m, rank)) > 1 and layout.signature(m) != layout.signature(ParallelMode.GLOBAL)
             }
-            assert record["torch_groups"] == 1 + len(distinct)
+            # plus one one-rank group that every size-1 mode of this rank shares
+            alone = any(len(layout.group_of(m, rank)) == 1 for m in ParallelMode)
+            assert record["torch_groups"] == 1 + len(distinct) + alone
