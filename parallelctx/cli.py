@@ -17,7 +17,7 @@ from typing import IO, Any
 from .layout import DEFAULT_ORDER, Layout, LayoutError, plan
 from .placement import ModeSpan, PlacementWarning, node_ids, node_spans, placement_warnings
 
-__all__ = ["main"]
+__all__ = ["build_parser", "check_arguments", "main"]
 
 
 JSON_FULL_LIMIT = 16_384
@@ -161,6 +161,24 @@ def _cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from .checkcmd import run  # imports torch: only the check command pays for it
+
+    return run(args)
+
+
+def check_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``parallelctx check`` to ``parser`` (shared with the demo); returns None."""
+    parser.add_argument("--config", default=None, help="config file (.py/.json/.toml/.yaml); default: all sizes 1")
+    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="all-reduce message sizes (default %(default)s)")
+    parser.add_argument("--iters", type=int, default=5, help="timed all-reduces per size and group (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed all-reduces first (default 1)")
+    parser.add_argument("--slow-factor", type=float, default=2.0,
+                        help="flag groups slower than this times their peers' median (default 2)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on rank 0")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the argument parser of the ``parallelctx`` command."""
     parser = argparse.ArgumentParser(prog="parallelctx", description="parallelctx command-line tools")
@@ -183,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--svg", default=None, metavar="FILE", help="the same picture as SVG")
     p.add_argument("--text", action="store_true", help="print the table too when drawing a picture")
     p.set_defaults(func=_cmd_plan)
+    c = sub.add_parser("check", help="under a launcher: prove and time every group, check the seeds")
+    check_arguments(c)
+    c.set_defaults(func=_cmd_check)
     e = sub.add_parser("env", help="print which launcher started this process and what it said")
     e.add_argument("--json", action="store_true", help="print the fields as one JSON object")
     e.set_defaults(func=_cmd_env)
