@@ -84,7 +84,7 @@ def _torchrun(args: list[str], timeout: int = 240) -> subprocess.CompletedProces
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc-per-node", "8", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,
     )
 
 

@@ -60,7 +60,7 @@ def test_demo_under_torchrun() -> None:
     proc = subprocess.run(
         [str(torchrun), "--standalone", "--nproc-per-node", "8", "-m", "parallelctx.demo", "--config", "configs/demo_3d.py",
          "--sizes", "4KiB,64KiB", "--iters", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env,
+        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
