@@ -7,6 +7,8 @@ them with the pure layout (:func:`verify`) checks the groups that were really ma
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,7 +17,7 @@ import torch.distributed as dist
 from .context import ParallelContext
 from .layout import Layout, ParallelMode
 
-__all__ = ["probe_groups", "probe_seeds", "verify", "verify_seeds"]
+__all__ = ["ModeCheck", "probe_groups", "probe_seeds", "problems", "verify", "verify_seeds"]
 
 _DRAWS = 4
 
@@ -102,39 +104,72 @@ def probe_seeds(ctx: ParallelContext) -> list[dict[str, Any]]:
     return _world_gather(ctx, mine)
 
 
-def verify(layout: Layout, rank: int, probed: dict[str, dict[str, Any]]) -> list[str]:
-    """Compare one rank's :func:`probe_groups` result with the pure layout.
+@dataclass
+class ModeCheck:
+    """The membership check of one mode: its group size and count in the pure layout, and every
+    mismatch found (``problems``); :attr:`ok` when there is none."""
+
+    mode: str
+    group_size: int
+    groups: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when no rank's group of this mode differs from the layout."""
+        return not self.problems
+
+
+def _verify_rank(layout: Layout, mode: ParallelMode, rank: int, got: Mapping[str, Any] | None) -> list[str]:
+    expected = layout.group_of(mode, rank)
+    if not expected:
+        return [] if got is None else [f"{mode.value}: rank {rank} should be in no group, has {got['members']}"]
+    if got is None:
+        return [f"{mode.value}: rank {rank} has no group, expected {expected}"]
+    local = expected.index(rank)
+    want = {
+        "members": expected,
+        "order": expected,
+        "cpu_members": expected,
+        "local_rank": local,
+        "size": len(expected),
+        "next": expected[(local + 1) % len(expected)],
+        "prev": expected[(local - 1) % len(expected)],
+        "first": local == 0,
+        "last": local == len(expected) - 1,
+    }
+    return [
+        f"{mode.value}.{key} on rank {rank}: got {got[key]}, expected {value}"
+        for key, value in want.items()
+        if got[key] != value
+    ]
+
+
+def verify(layout: Layout, probed: Mapping[int, Mapping[str, Mapping[str, Any]]]) -> list[ModeCheck]:
+    """Compare :func:`probe_groups` results with the pure layout.
+
+    ``probed`` maps global ranks to what :func:`probe_groups` returned on them: one rank
+    (``{rank: probe_groups(gpc)}``) or every rank (after an all-gather).
 
     Returns:
-        A list of mismatches, empty when every group is right.
+        One :class:`ModeCheck` per mode, in :class:`ParallelMode` order.
+
+    Raises:
+        LayoutError: a rank in ``probed`` outside the layout's world.
     """
-    errors: list[str] = []
+    out = []
     for mode in ParallelMode:
-        expected = layout.group_of(mode, rank)
-        got = probed.get(mode.value)
-        if not expected:
-            if got is not None:
-                errors.append(f"{mode.value}: rank {rank} should be in no group, has {got['members']}")
-            continue
-        if got is None:
-            errors.append(f"{mode.value}: rank {rank} has no group, expected {expected}")
-            continue
-        local = expected.index(rank)
-        want = {
-            "members": expected,
-            "order": expected,
-            "cpu_members": expected,
-            "local_rank": local,
-            "size": len(expected),
-            "next": expected[(local + 1) % len(expected)],
-            "prev": expected[(local - 1) % len(expected)],
-            "first": local == 0,
-            "last": local == len(expected) - 1,
-        }
-        for key, value in want.items():
-            if got[key] != value:
-                errors.append(f"{mode.value}.{key} on rank {rank}: got {got[key]}, expected {value}")
-    return errors
+        array = layout.group_array(mode)
+        check = ModeCheck(mode.value, int(array.shape[1]), int(array.shape[0]))
+        for rank, result in probed.items():
+            check.problems.extend(_verify_rank(layout, mode, rank, result.get(mode.value)))
+        out.append(check)
+    return out
+
+
+def problems(checks: list[ModeCheck]) -> list[str]:
+    """Return every problem of ``checks`` (from :func:`verify`), in mode order; empty when all pass."""
+    return [problem for check in checks for problem in check.problems]
 
 
 def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:

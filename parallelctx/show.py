@@ -9,22 +9,36 @@ from rich.table import Table
 from rich.text import Text
 
 from .layout import Layout, ParallelMode
+from .placement import ModeSpan
 
-__all__ = ["layout_picture", "layout_table", "render"]
+__all__ = ["layout_picture", "layout_table", "placement_table", "render"]
 
 _MAX_GROUPS = 8
 
 
-def _fmt_groups(groups: list[list[int]], limit: int = _MAX_GROUPS) -> str:
-    def one(g: list[int]) -> str:
-        if len(g) > 12:
-            return "[" + ",".join(map(str, g[:5])) + ",...," + ",".join(map(str, g[-2:])) + "]"
-        return "[" + ",".join(map(str, g)) + "]"
+_WIDTH = 70
 
-    shown = " ".join(one(g) for g in groups[:limit])
-    if len(groups) > limit:
-        shown += f" ... (+{len(groups) - limit} more)"
-    return shown
+
+def _fmt_group(g: list[int]) -> str:
+    if len(g) > 12:
+        return "[" + ",".join(map(str, g[:5])) + ",...," + ",".join(map(str, g[-2:])) + "]"
+    return "[" + ",".join(map(str, g)) + "]"
+
+
+def _fmt_groups(groups: list[list[int]], total: int, width: int = _WIDTH) -> str:
+    """The first groups that fit in ``width`` characters, then ``... (+N more)``."""
+    shown: list[str] = []
+    used = 0
+    for g in groups:
+        text = _fmt_group(g)
+        if shown and used + 1 + len(text) > width - 16:
+            break
+        shown.append(text)
+        used += 1 + len(text)
+    line = " ".join(shown)
+    if total > len(shown):
+        line += f" ... (+{total - len(shown)} more)"
+    return line
 
 
 def layout_table(layout: Layout, modes: list[ParallelMode] | None = None) -> Table:
@@ -39,10 +53,7 @@ def layout_table(layout: Layout, modes: list[ParallelMode] | None = None) -> Tab
     table.add_column("members")
     for mode in modes or layout.modes():
         array = layout.group_array(mode)
-        head = array[:_MAX_GROUPS].tolist()
-        shown = _fmt_groups(head, _MAX_GROUPS)
-        if array.shape[0] > _MAX_GROUPS:
-            shown += f" ... (+{array.shape[0] - _MAX_GROUPS} more)"
+        shown = _fmt_groups(array[:_MAX_GROUPS].tolist(), int(array.shape[0]))
         table.add_row(mode.value, str(array.shape[1]), str(array.shape[0]), shown)
     return table
 
@@ -74,8 +85,33 @@ def layout_picture(layout: Layout, max_ranks: int = 256) -> Text:
     return Text("\n".join(lines))
 
 
-def render(layout: Layout, modes: list[ParallelMode] | None = None) -> str:
-    """Return the table and the picture as plain text (no colour codes)."""
+def placement_table(spans: list[ModeSpan], world_size: int, nproc_per_node: int) -> Table:
+    """Return a rich Table: one row per mode with groups of size > 1, saying whether its groups
+    stay inside one node or span several (node = rank // ``nproc_per_node``)."""
+    nodes = -(-world_size // nproc_per_node)
+    table = Table(title=f"on {nodes} node(s) of {nproc_per_node} ranks (node = rank // {nproc_per_node})")
+    table.add_column("mode", style="bold")
+    table.add_column("groups", justify="right")
+    table.add_column("placement")
+    table.add_column("groups crossing nodes", justify="right")
+    for span in spans:
+        if span.group_size > 1:
+            table.add_row(span.mode, f"{span.groups} x {span.group_size}", span.describe(), str(span.crossing))
+    return table
+
+
+def render(
+    layout: Layout,
+    modes: list[ParallelMode] | None = None,
+    spans: list[ModeSpan] | None = None,
+    nproc_per_node: int | None = None,
+) -> str:
+    """Return the table, the node placement (when ``spans`` and ``nproc_per_node`` are given)
+    and the picture as plain text (no colour codes)."""
     console = Console(width=120, record=True, color_system=None, file=io.StringIO())
-    console.print(Group(layout_table(layout, modes), layout_picture(layout)))
+    parts: list[Table | Text] = [layout_table(layout, modes)]
+    if spans and nproc_per_node:
+        parts.append(placement_table(spans, layout.world_size, nproc_per_node))
+    parts.append(layout_picture(layout))
+    console.print(Group(*parts))
     return console.export_text()

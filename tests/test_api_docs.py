@@ -10,7 +10,8 @@ import parallelctx
 from parallelctx import ParallelContext
 
 API = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
-MODULES = ["config", "context", "env", "hostlist", "launch", "layout", "seed", "check", "mesh", "groups", "show", "cli"]
+MODULES = ["config", "context", "env", "hostlist", "launch", "layout", "seed", "check", "mesh", "groups", "show", "cli",
+           "placement", "picture", "timing", "checkcmd"]
 
 
 def test_every_exported_name_is_documented() -> None:

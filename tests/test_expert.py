@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LayoutError, ParallelMode, gpc, load_config, plan
-from parallelctx.check import probe_groups, verify
+from parallelctx.check import probe_groups, problems, verify
 from parallelctx.cli import main as cli_main
 
 EXPERT_MODES = (
@@ -315,7 +315,7 @@ def test_expert_groups_on_8_ranks(tmp_path: Path) -> None:
     for rank in range(8):
         res = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
         assert res["rank"] == rank
-        assert verify(layout, rank, res["probed"]) == []
+        assert problems(verify(layout, {rank: res["probed"]})) == []
         for mode in EXPERT_MODES:
             assert res["probed"][mode.value]["members"] == layout.group_of(mode, rank)
             assert res["views"][mode.value] == [layout.local_rank(mode, rank), layout.size(mode)]

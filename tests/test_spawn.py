@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LaunchEnvError, ParallelMode, SpawnError, gpc, init_dist, plan, spawn
-from parallelctx.check import probe_groups, verify
+from parallelctx.check import probe_groups, problems, verify
 from parallelctx.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def probe_worker(out_dir: str, tensor: int) -> None:
     """Prove this rank's groups by collectives; write them with what gpc counted."""
     rank = gpc.get_global_rank()
     world = gpc.get_world_size(ParallelMode.GLOBAL)
-    errors = verify(plan(world, tensor=tensor), rank, probe_groups(gpc))
+    errors = problems(verify(plan(world, tensor=tensor), {rank: probe_groups(gpc)}))
     info = {"rank": rank, "pid": os.getpid(), "errors": errors, "local_rank": gpc.local_rank,
             "procs_on_node": gpc.num_processes_on_current_node, "num_nodes": gpc.num_nodes,
             "tensor": gpc.get_ranks_in_group(ParallelMode.TENSOR)}

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import parallelctx
     from parallelctx import ParallelMode, gpc
-    from parallelctx.check import probe_groups, verify
+    from parallelctx.check import probe_groups, problems, verify
     from parallelctx.env import detect
 
     try:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     world = gpc.get_world_size(ParallelMode.GLOBAL)
     layout = parallelctx.plan(world, tensor=tensor)
     probed = probe_groups(gpc)
-    errors = verify(layout, rank, probed)
+    errors = problems(verify(layout, {rank: probed}))
     # one more collective: every rank reports its detected local rank and host, gathered by all
     gathered: list = [None] * world
     if world > 1:

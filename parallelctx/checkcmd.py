@@ -1,0 +1,270 @@
+"""``parallelctx check``: launch under any launcher, prove and time every group, report on rank 0.
+
+    torchrun --nproc-per-node 8 -m parallelctx check --config F [--sizes 4KiB,1MiB,16MiB] [--json]
+    srun ... python -m parallelctx check --config F
+    mpirun ... python -m parallelctx check --config F
+
+Every rank launches from the environment (:func:`parallelctx.launch_from_env`), probes its
+groups with collectives (:mod:`parallelctx.check`), times an all-reduce in every group
+(:mod:`parallelctx.timing`) and draws from its seed streams; rank 0 gathers it all, compares it
+with the pure layout and prints one table (or one JSON object). The exit code is 1 on every
+rank when any membership or seed check fails; times never fail a check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .check import ModeCheck, probe_groups, probe_seeds, verify, verify_seeds
+from .context import ParallelContext
+from .layout import Layout, ParallelMode
+from .placement import span_of_groups
+from .timing import (
+    DEFAULT_SIZES,
+    ModeTiming,
+    format_size,
+    parse_sizes,
+    summarise,
+    time_allreduce,
+    timed_modes,
+)
+
+__all__ = ["CheckReport", "ModeReport", "report_json", "report_table", "run", "run_checks"]
+
+
+@dataclass
+class ModeReport:
+    """One mode's results: the membership check, the most hosts one group spans, and the
+    all-reduce times (None for modes whose groups hold one rank)."""
+
+    check: ModeCheck
+    max_hosts: int
+    timing: ModeTiming | None
+
+
+@dataclass
+class CheckReport:
+    """Everything ``parallelctx check`` found; :attr:`ok` when no membership or seed check failed."""
+
+    layout: str
+    world_size: int
+    hosts: int
+    backend: str
+    sizes: list[int]
+    iters: int
+    seconds: float
+    modes: list[ModeReport] = field(default_factory=list)
+    seed_problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every mode's membership and the seed properties hold."""
+        return not self.seed_problems and all(m.check.ok for m in self.modes)
+
+
+def _gather(ctx: ParallelContext, value: Any) -> list[Any]:
+    world = ctx.get_world_size(ParallelMode.GLOBAL)
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=ctx.get_cpu_group(ParallelMode.GLOBAL))
+    return out
+
+
+def run_checks(
+    ctx: ParallelContext,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    iters: int = 5,
+    warmup: int = 1,
+    slow_factor: float = 2.0,
+    progress: Callable[[str], None] | None = None,
+    expected: Layout | None = None,
+) -> CheckReport:
+    """Prove and time every group of the launched ``ctx``. Collective: every rank calls it.
+
+    Membership and seeds are compared with ``expected`` (default: the pure layout of ``ctx``'s
+    sizes, ``ctx.layout``). ``progress`` receives a line per step (pass it on one rank only).
+
+    Returns:
+        The :class:`CheckReport`, complete on every rank.
+
+    Raises:
+        NotLaunchedError: ``ctx`` is not launched.
+        ValueError: ``iters`` below 1 or ``warmup`` below 0.
+    """
+    say = progress or (lambda line: None)
+    begin = time.perf_counter()
+    layout = expected or ctx.layout
+    say("probing every group (all-reduce of one-hot rank vectors, all-gather of ranks)")
+    probed = dict(enumerate(_gather(ctx, probe_groups(ctx))))
+    checks = verify(layout, probed)
+    say(f"timing all-reduce at {', '.join(format_size(s) for s in sizes)} ({iters} times each)")
+    timings = dict(enumerate(_gather(ctx, time_allreduce(ctx, sizes, iters, warmup, progress))))
+    say("drawing from every seed stream")
+    seed_problems = verify_seeds(layout, probe_seeds(ctx))
+    hosts = np.unique(np.asarray(ctx.hostnames), return_inverse=True)[1]
+    same = dict(timed_modes(layout))
+    report = CheckReport(
+        layout.describe(), layout.world_size, len(set(ctx.hostnames)), ctx.backend, list(sizes), iters,
+        0.0, seed_problems=seed_problems,
+    )
+    for check in checks:
+        mode = ParallelMode(check.mode)
+        timing = None
+        if mode in same:
+            source = same[mode] or mode
+            timing = summarise(layout, source, timings, sizes, slow_factor)
+            timing.mode = mode.value
+            timing.same_as = None if same[mode] is None else same[mode].value
+        _, widest, _ = span_of_groups(layout.group_array(mode), hosts)
+        report.modes.append(ModeReport(check, widest, timing))
+    report.seconds = time.perf_counter() - begin
+    return report
+
+
+def _cell(timing: ModeTiming | None, index: int) -> str:
+    if timing is None or timing.slowest is None:
+        return "-"
+    seconds, gbs = timing.slowest.latency_s[index], timing.slowest.busbw_gbs[index]
+    latency = f"{seconds * 1e3:.3g} ms" if seconds >= 1e-3 else f"{seconds * 1e6:.3g} us"
+    bandwidth = f"{gbs:.3g} GB/s" if gbs >= 1 else f"{gbs * 1e3:.3g} MB/s"
+    return f"{latency}, {bandwidth}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) > 8:
+        return "[" + ",".join(map(str, ranks[:4])) + ",...," + str(ranks[-1]) + "]"
+    return "[" + ",".join(map(str, ranks)) + "]"
+
+
+def report_table(report: CheckReport) -> str:
+    """Return the report as one plain-text table (slowest group's latency and bus bandwidth per
+    message size), followed by the seed verdict and any problems."""
+    from rich.console import Console
+    from rich.table import Table
+
+    verdict = "all checks passed" if report.ok else "checks FAILED"
+    table = Table(
+        title=f"parallelctx check: {report.layout} on {report.hosts} host(s), {report.backend}: {verdict}"
+    )
+    for name in ("mode", "groups", "hosts", "membership"):
+        table.add_column(name, justify="right" if name in ("groups", "hosts") else "left")
+    for size in report.sizes:
+        table.add_column(f"{format_size(size)} (slowest)", justify="right")
+    table.add_column("slowest group")
+    table.add_column("much slower groups")
+    for mode in report.modes:
+        timing = mode.timing
+        cells = [_cell(timing, i) for i in range(len(report.sizes))]
+        slowest = "-" if timing is None or timing.slowest is None else _ranks(timing.slowest.ranks)
+        slow = "-" if timing is None else " ".join(_ranks(g) for g in timing.slow_groups[:3]) or "none"
+        if timing is not None and timing.same_as:
+            slowest += f" (= {timing.same_as})"
+        table.add_row(
+            mode.check.mode,
+            f"{mode.check.groups} x {mode.check.group_size}",
+            str(mode.max_hosts),
+            "ok" if mode.check.ok else "FAILED",
+            *cells,
+            slowest,
+            slow,
+        )
+    console = Console(width=200, record=True, color_system=None, file=io.StringIO())
+    console.print(table)
+    lines = [console.export_text().rstrip("\n")]
+    lines.append("seeds: " + ("ok" if not report.seed_problems else "FAILED"))
+    for mode in report.modes:
+        for problem in mode.check.problems[:5]:
+            lines.append(f"  {problem}")
+        if len(mode.check.problems) > 5:
+            lines.append(f"  ... {len(mode.check.problems) - 5} more {mode.check.mode} problems")
+    lines += [f"  {p}" for p in report.seed_problems[:10]]
+    lines.append(f"check took {report.seconds:.1f} s; {report.iters} all-reduces per size and group")
+    return "\n".join(lines) + "\n"
+
+
+def report_json(report: CheckReport) -> dict[str, Any]:
+    """Return the report as a JSON-ready dict: ``ok``, the layout, and per mode its ``ok``,
+    ``problems``, ``max_hosts`` and ``timing`` (every group's latency and bus bandwidth)."""
+    modes = {}
+    for mode in report.modes:
+        modes[mode.check.mode] = {
+            "ok": mode.check.ok,
+            "group_size": mode.check.group_size,
+            "groups": mode.check.groups,
+            "problems": mode.check.problems,
+            "max_hosts": mode.max_hosts,
+            "timing": None if mode.timing is None else asdict(mode.timing),
+        }
+    return {
+        "ok": report.ok,
+        "layout": report.layout,
+        "world_size": report.world_size,
+        "hosts": report.hosts,
+        "backend": report.backend,
+        "sizes": report.sizes,
+        "iters": report.iters,
+        "seconds": report.seconds,
+        "modes": modes,
+        "seeds": {"ok": not report.seed_problems, "problems": report.seed_problems},
+    }
+
+
+def _progress(rank: int, quiet: bool) -> Callable[[str], None] | None:
+    if rank != 0 or quiet:
+        return None
+
+    def say(line: str) -> None:
+        print(f"parallelctx check: {line}", file=sys.stderr, flush=True)
+
+    return say
+
+
+def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | None = None) -> int:
+    """Run the check in this process (one rank of the job) and return its exit code: 0 when
+    every check passed, 1 on every rank when any failed, 2 for bad options.
+
+    ``prepare`` is called with ``gpc`` after launch and before the checks (the tests use it to
+    tamper with a group and see the check fail).
+
+    Raises:
+        Anything :func:`parallelctx.launch_from_env` raises.
+    """
+    try:
+        sizes = parse_sizes(args.sizes)
+        if args.iters < 1 or args.warmup < 0:
+            raise ValueError(f"--iters={args.iters} must be >= 1 and --warmup={args.warmup} >= 0")
+    except ValueError as exc:
+        print(f"parallelctx check: {exc}", file=sys.stderr)
+        return 2
+    import parallelctx
+    from parallelctx import gpc
+
+    parallelctx.launch_from_env(args.config)
+    try:
+        if prepare is not None:
+            prepare(gpc)
+        rank = gpc.get_global_rank()
+        report = run_checks(gpc, sizes, args.iters, args.warmup, args.slow_factor, _progress(rank, args.quiet))
+        if rank == 0:
+            if args.json:
+                print(json.dumps(report_json(report)), flush=True)
+            else:
+                print(report_table(report), end="", flush=True)
+        verdict = torch.tensor([0 if report.ok else 1])
+        if gpc.get_world_size(ParallelMode.GLOBAL) > 1:  # every rank exits with rank 0's verdict
+            dist.broadcast(verdict, src=0, group=gpc.get_cpu_group(ParallelMode.GLOBAL))
+    finally:
+        gpc.destroy()
+    return int(verdict.item())
