@@ -37,7 +37,8 @@ def probe_groups(ctx: ParallelContext) -> dict[str, dict[str, Any]]:
     all-reduce over the mode's group summed (so exactly the group's real members);
     ``order``, the global ranks all-gathered over the group, in group-rank order; ``cpu_members``
     likewise over the CPU group; and what ``gpc`` answers (``local_rank``, ``size``, ``next``,
-    ``prev``, ``first``, ``last``) for comparison. Modes of size 1 report this rank alone.
+    ``prev``, ``first``, ``last``) for comparison. Modes of size 1 are measured the same way, over
+    their one-rank groups.
 
     Returns:
         ``{mode name: {...}}`` for every mode this rank belongs to.
@@ -51,22 +52,21 @@ def probe_groups(ctx: ParallelContext) -> dict[str, dict[str, Any]]:
         group = ctx.get_group(mode)
         cpu_group = ctx.get_cpu_group(mode)
         size = ctx.get_world_size(mode)
-        if group is None:
-            members, order, cpu_members = [rank], [rank], [rank]
-        else:
-            onehot = torch.zeros(world, dtype=torch.int64, device=ctx.device)
-            onehot[rank] = 1
-            dist.all_reduce(onehot, group=group)
-            members = torch.nonzero(onehot.cpu()).flatten().tolist()
-            if onehot.max().item() != 1:
-                members = [-1]  # a rank counted twice: not a group of distinct members
-            gathered = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, torch.tensor([rank], device=ctx.device), group=group)
-            order = [int(t.item()) for t in gathered]
-            cpu_onehot = torch.zeros(world, dtype=torch.int64)
-            cpu_onehot[rank] = 1
-            dist.all_reduce(cpu_onehot, group=cpu_group)
-            cpu_members = torch.nonzero(cpu_onehot).flatten().tolist()
+        # every mode has a real group (size 1: a one-rank group); a None here would reduce over
+        # the whole world and show up as wrong members
+        onehot = torch.zeros(world, dtype=torch.int64, device=ctx.device)
+        onehot[rank] = 1
+        dist.all_reduce(onehot, group=group)
+        members = torch.nonzero(onehot.cpu()).flatten().tolist()
+        if onehot.max().item() != 1:
+            members = [-1]  # a rank counted twice: not a group of distinct members
+        gathered = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, torch.tensor([rank], device=ctx.device), group=group)
+        order = [int(t.item()) for t in gathered]
+        cpu_onehot = torch.zeros(world, dtype=torch.int64)
+        cpu_onehot[rank] = 1
+        dist.all_reduce(cpu_onehot, group=cpu_group)
+        cpu_members = torch.nonzero(cpu_onehot).flatten().tolist()
         out[mode.value] = {
             "members": members,
             "order": order,

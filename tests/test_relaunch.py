@@ -1,0 +1,55 @@
+"""Relaunch in the same processes under real torchrun, and size-1 groups that are real groups.
+
+One torchrun job of 8 ranks (tests/torchrun_relaunch.py) launches with ``launch_from_torch``,
+then destroys and launches again 20 times with changing layouts on the launcher's own store
+and port, proving every group of every cycle with collectives.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CYCLES = 20
+
+
+@pytest.fixture(scope="module")
+def torchrun_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("relaunch")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "8", "tests/torchrun_relaunch.py", str(out), str(CYCLES)],
+        cwd=ROOT, capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    assert sorted(r["rank"] for r in rows) == list(range(8))
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_twenty_relaunches_under_torchrun_each_proven(torchrun_rows: list[dict]) -> None:
+    for row in torchrun_rows:
+        assert len(row["cycles"]) == CYCLES + 1
+        for cycle in row["cycles"]:
+            assert cycle["errors"] == [], (row["rank"], cycle)
+    layouts = [c["layout"] for c in torchrun_rows[0]["cycles"]]
+    assert len(set(layouts)) >= 6  # the layout really changed between launches
+    median = sorted(r["median_relaunch_s"] for r in torchrun_rows)[4]
+    print(f"median destroy + launch_from_torch over {CYCLES} cycles, 8 ranks: {median:.3f} s")
+
+
+@pytest.mark.timeout(300)
+def test_size_one_groups_are_no_ops_under_torchrun(torchrun_rows: list[dict]) -> None:
+    # tensor=1, context=1, expert=1: all-reduce over each mode's group (and its CPU group) is a
+    # no-op on the value; with group=None it would have summed all 8 ranks.
+    for row in torchrun_rows:
+        sums = row["size_one"]
+        assert {"tensor", "context", "expert"} <= set(sums)
+        assert all(value == [1.0, 1.0] for value in sums.values()), (row["rank"], sums)
