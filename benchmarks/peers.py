@@ -110,6 +110,11 @@ def setup_parallelctx(tensor: int, pipeline: int) -> Built:
             "gpc.get_local_rank(ParallelMode.TENSOR)",
             {"gpc": gpc, "ParallelMode": ParallelMode},
         ),
+        Query(
+            "get_local_rank(mode=ParallelMode.TENSOR)",
+            "gpc.get_local_rank(mode=ParallelMode.TENSOR)",
+            {"gpc": gpc, "ParallelMode": ParallelMode},
+        ),
         Query("get_local_rank('tensor')", "gpc.get_local_rank('tensor')", {"gpc": gpc}),
     ]
 

@@ -163,3 +163,30 @@ def adopted_relaunch(index: int, world: int, init_method: str, out_dir: str) -> 
         gpc.destroy()
         dist.destroy_process_group()
     Path(out_dir, f"rank{index}.json").write_text(json.dumps(result))
+
+
+def seed_table_worker(out_dir: str, layouts: dict[str, dict[str, Any]]) -> None:
+    """Draw once from every stream under each layout (relaunching between them); rank 0 writes
+    ``{rank: {stream: draws}}`` per layout to OUT_DIR/<key>.json."""
+    from parallelctx.seed import STREAMS
+
+    rank = gpc.get_global_rank()
+    world = gpc.get_world_size(ParallelMode.GLOBAL)
+    local = gpc.local_rank
+    port = None
+    for i, (key, parallel) in enumerate(layouts.items()):
+        if i > 0:
+            if port is None:
+                port_box = [free_port() if rank == 0 else None]
+                dist.broadcast_object_list(port_box, src=0)
+                port = port_box[0]
+            gpc.destroy()
+            parallelctx.launch({"parallel": parallel}, rank=rank, world_size=world, port=port, local_rank=local)
+        mine = {}
+        for stream in STREAMS:
+            with gpc.seed(stream):
+                mine[str(stream)] = torch.rand(4).tolist()
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank == 0:
+            Path(out_dir, f"{key}.json").write_text(json.dumps({str(r): d for r, d in enumerate(every)}))
