@@ -147,6 +147,16 @@ def check(rows: list[dict[str, Any]], launcher: str, world: int, per_node: Seque
         assert list(dict.fromkeys(r["host"] for r in rows)) == list(hosts)
     # tensor=2 groups are pairs of neighbouring ranks, proven by all-reduce
     assert all(r["tensor_group"] == [r["rank"] // 2 * 2, r["rank"] // 2 * 2 + 1] for r in rows)
+    # every relaunch in the same processes (when the test asked for some) was proven too
+    for r in rows:
+        assert all(c["errors"] == [] for c in r.get("relaunches", [])), (r["rank"], r["relaunches"])
+
+
+def check_relaunches(rows: list[dict[str, Any]], count: int) -> None:
+    """Each rank relaunched ``count`` times, each proven; print the median relaunch time."""
+    seconds = sorted(c["seconds"] for r in rows for c in r["relaunches"])
+    assert all(len(r["relaunches"]) == count for r in rows)
+    print(f"median destroy + launch: {seconds[len(seconds) // 2]:.3f} s over {len(seconds)} relaunches")
 
 
 # ------------------------------------------------------------------------------- host lists
@@ -173,10 +183,13 @@ def test_hostlist_parser_agrees_with_scontrol(tmp_path: Path) -> None:
 
 
 def test_torchrun_standalone(tmp_path: Path) -> None:
+    # launch_from_torch, then 5 destroy/relaunch cycles on torchrun's own store and port
     out = run([str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
-               str(PROBE), str(tmp_path)], clean_env())
+               str(PROBE), str(tmp_path), "--entry", "torch", "--relaunch", "5"], clean_env())
     assert out.returncode == 0, out.stdout[-4000:]
-    check(results(tmp_path, 4, out.stdout), "torchrun", 4, [4])
+    rows = results(tmp_path, 4, out.stdout)
+    check(rows, "torchrun", 4, [4])
+    check_relaunches(rows, 5)
 
 
 def test_torchrun_two_hosts(tmp_path: Path) -> None:
@@ -200,10 +213,14 @@ def test_torchrun_two_hosts(tmp_path: Path) -> None:
 
 def test_mpirun_one_host(tmp_path: Path) -> None:
     port = str(free_port())
+    # launch_from_openmpi, then 5 destroy/relaunch cycles on the same MASTER_ADDR/MASTER_PORT
     out = run([*MPIRUN, "-np", "4", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
-               "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH", PY, str(PROBE), str(tmp_path)], clean_env())
+               "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH", PY, str(PROBE), str(tmp_path),
+               "--entry", "mpi", "--relaunch", "5"], clean_env())
     assert out.returncode == 0, out.stdout[-4000:]
-    check(results(tmp_path, 4, out.stdout), "openmpi", 4, [4])
+    rows = results(tmp_path, 4, out.stdout)
+    check(rows, "openmpi", 4, [4])
+    check_relaunches(rows, 5)
 
 
 def test_mpirun_two_fake_hosts(tmp_path: Path) -> None:
@@ -250,9 +267,11 @@ def test_mpirun_mpi4py_broadcasts_the_master(tmp_path: Path, mpi4py_dir: Path) -
 def test_mpiexec_mpich_one_host(tmp_path: Path) -> None:
     port = str(free_port())
     out = run(["mpiexec.mpich", "-n", "4", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", port,
-               PY, str(PROBE), str(tmp_path)], clean_env())
+               PY, str(PROBE), str(tmp_path), "--relaunch", "3"], clean_env())  # launch_from_env
     assert out.returncode == 0, out.stdout[-4000:]
-    check(results(tmp_path, 4, out.stdout), "mpich", 4, [4])
+    rows = results(tmp_path, 4, out.stdout)
+    check(rows, "mpich", 4, [4])
+    check_relaunches(rows, 3)
 
 
 def test_mpiexec_mpich_two_fake_hosts(tmp_path: Path) -> None:
@@ -319,10 +338,12 @@ def sbatch(cluster: SlurmCluster, args: list[str], tmp_path: Path, timeout: floa
 
 def test_srun_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
     # -N2 -n4 without --ntasks-per-node: Slurm puts 3 tasks on n1 and 1 on n2
-    out = slurm_run(slurm, ["srun", "-N2", "-n4", PY, str(PROBE), str(tmp_path)])
+    # launch_from_slurm, then 5 destroy/relaunch cycles on the port derived from the job id
+    out = slurm_run(slurm, ["srun", "-N2", "-n4", PY, str(PROBE), str(tmp_path), "--entry", "slurm", "--relaunch", "5"])
     assert out.returncode == 0, out.stdout[-4000:] + slurm.logs()
     rows = results(tmp_path, 4, out.stdout)
     check(rows, "slurm", 4, [3, 1], hosts=["n1", "n2"])
+    check_relaunches(rows, 5)
     assert {r["detected"]["master_addr"] for r in rows} == {"n1"}  # first host of the node list
     assert [r["detected"]["node_rank"] for r in rows] == [0, 0, 0, 1]
 

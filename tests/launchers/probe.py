@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--entry", default="env", choices=["env", "slurm", "mpi", "torch"])
     parser.add_argument("--timeout", type=float, default=240.0, help="distributed timeout (s)")
+    parser.add_argument("--relaunch", type=int, default=0,
+                        help="then destroy and launch again this many times (same entry point, host and port)")
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -81,6 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         "gathered": gathered,
         "errors": errors,
     }
+    # relaunch in the same process through the same entry point, alternating the layout; each
+    # cycle is proven by collectives in every group
+    result["relaunches"] = []
+    for cycle in range(args.relaunch):
+        cycle_tensor = 1 if cycle % 2 == 0 else tensor
+        start = time.perf_counter()
+        gpc.destroy()
+        entry({"parallel": {"tensor": cycle_tensor}}, timeout=args.timeout)
+        seconds = time.perf_counter() - start
+        cycle_layout = parallelctx.plan(world, tensor=cycle_tensor)
+        result["relaunches"].append(
+            {"seconds": seconds, "errors": problems(verify(cycle_layout, {rank: probe_groups(gpc)}))}
+        )
     gpc.destroy()
     (args.out_dir / f"rank-{rank}.json").write_text(json.dumps(result))
     return 1 if errors else 0
