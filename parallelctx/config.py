@@ -352,8 +352,11 @@ def validate_init_method(url: str, name: str = "dist.init_method") -> str:
     try:
         parts = urlsplit(url)
         port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"{name}={shown}: {exc}; write tcp://HOST:PORT with PORT in 1..65535") from None
+    except ValueError:
+        raise ValueError(
+            f"{name}={shown}: the port is not a number in 1..65535 (or the address is malformed); write "
+            "tcp://HOST:PORT, e.g. tcp://10.0.0.1:29500"
+        ) from None
     if parts.fragment:
         raise ValueError(f"{name}={shown} has a '#' fragment, which torch does not read; remove it")
     if scheme == "tcp":
@@ -462,7 +465,7 @@ def _path_text(root: str, link: tuple[Any, ...] | None) -> str:
             text += f".{key}"
         else:
             text += f"[{_shown(key, 40)}]"
-    return text if len(text) <= 200 else text[:97] + "..." + text[-100:]
+    return text if len(text) <= 120 else text[:57] + "..." + text[-60:]
 
 
 def _check_tree(data: Any, root: str = "config") -> None:
