@@ -106,7 +106,10 @@ def validate_launch_args(
     port_ = None if port is None else _int_arg("port", port, 1, 65535)
     if host is not None:
         if not isinstance(host, str):
-            raise LaunchArgumentError(f"host={_shown(host)} is of type {type(host).__name__}; give a host name or IP address as a str")
+            raise LaunchArgumentError(
+                f"host={_shown(host)} is of type {type(host).__name__}; give a host name or an IP address "
+                "as a str"
+            )
         bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
         if not bare or not _valid_host(bare):
             raise LaunchArgumentError(
@@ -138,5 +141,6 @@ def validate_launch_args(
             raise LaunchArgumentError(str(exc)) from None
     seed_ = None if seed is None else _int_arg("seed", seed, 0, MAX_SEED)
     if backend is not None and backend not in BACKENDS:
-        raise LaunchArgumentError(f"backend={_shown(backend)} must be one of {', '.join(map(repr, BACKENDS))}")
+        choices = ", ".join(map(repr, BACKENDS))
+        raise LaunchArgumentError(f"backend={_shown(backend)} must be one of {choices}")
     return LaunchArgs(rank_, world, host, port_, local, local_world, wait, seed_, backend, url)

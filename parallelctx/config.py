@@ -83,17 +83,20 @@ def _strict_int(value: Any, what: str, low: int, high: int | None = None) -> int
     Raises:
         ValueError: the message names ``what``, the value and the valid range.
     """
+    span = f"[{low}, {high}]"
     number = _as_int(value)
     if number is None:
         kind = type(value).__name__
-        raise ValueError(f"{what}={_shown(value)} is of type {kind}, not an integer; give a plain int such as {low + 1}")
+        raise ValueError(
+            f"{what}={_shown(value)} is of type {kind}, not an integer; give a plain int such as {low + 1}"
+        )
     if high is None:
         if number < low:
             raise ValueError(f"{what}={number} must be greater than {low - 1} (an integer of at least {low})")
     elif number < low:
-        raise ValueError(f"{what}={number} must be greater than or equal to {low} (an integer in [{low}, {high}])")
+        raise ValueError(f"{what}={number} must be greater than or equal to {low} (an integer in {span})")
     elif number > high:
-        raise ValueError(f"{what}={number} must be less than or equal to {high} (an integer in [{low}, {high}])")
+        raise ValueError(f"{what}={number} must be less than or equal to {high} (an integer in {span})")
     return number
 
 
@@ -362,7 +365,9 @@ def validate_init_method(url: str, name: str = "dist.init_method") -> str:
     if scheme == "tcp":
         host = parts.hostname
         if not host or not parts.netloc:
-            raise ValueError(f"{name}={shown} names no host; write tcp://HOST:PORT, e.g. tcp://10.0.0.1:29500")
+            raise ValueError(
+                f"{name}={shown} names no host; write tcp://HOST:PORT, e.g. tcp://10.0.0.1:29500"
+            )
         if port is None:
             raise ValueError(f"{name}={shown} names no port; write tcp://{parts.netloc}:PORT, e.g. :29500")
         if not 0 < port < 65536:
@@ -372,7 +377,9 @@ def validate_init_method(url: str, name: str = "dist.init_method") -> str:
         if not _valid_host(host):
             raise ValueError(f"{name}={shown}: {host!r} is neither an IP address nor a host name")
         if parts.path not in ("", "/"):
-            raise ValueError(f"{name}={shown} has a path {parts.path!r}, which torch ignores; write tcp://HOST:PORT")
+            raise ValueError(
+                f"{name}={shown} has a path {parts.path!r}, which torch ignores; write tcp://HOST:PORT"
+            )
     elif scheme == "env":
         if parts.netloc or parts.path not in ("", "/"):
             raise ValueError(
@@ -652,7 +659,9 @@ class Config(Section):
         """
         path = Path(path)
         if path.is_dir():
-            raise ConfigError(f"config file {str(path)!r} is a directory; pass the path of a config file in it")
+            raise ConfigError(
+                f"config file {str(path)!r} is a directory; pass the path of a config file in it"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         suffix = path.suffix.lower()
@@ -690,7 +699,8 @@ def _read_text(path: Path) -> str:
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise ConfigError(
-                f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} bytes (16 MiB) a config file may have"
+                f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} bytes (16 MiB) a config file "
+                "may have"
             )
         raw = path.read_bytes()
     except OSError as exc:

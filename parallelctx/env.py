@@ -234,7 +234,8 @@ def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> La
 
     Raises:
         LaunchEnvError: a variable is missing, not an integer or out of range; two MPI families
-            whose rank or world size disagree; Hydra started with ``-pmi-port`` (PMI_ID without PMI_RANK/PMI_SIZE); or ``required`` and no MPI
+            whose rank or world size disagree; Hydra started
+            with ``-pmi-port`` (PMI_ID without PMI_RANK/PMI_SIZE); or ``required`` and no MPI
             variables at all.
     """
     env = os.environ if env is None else env

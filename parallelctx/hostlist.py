@@ -77,7 +77,8 @@ def _ranges(body: str, whole: str) -> list[tuple[str, str | None]]:
         match = _RANGE.match(item.strip())
         if not match:
             raise HostlistError(
-                f"host list {_shown(whole)}: {_shown(item)} in [{_shown(body)[1:-1]}] is not a number or a range like 1-4"
+                f"host list {_shown(whole)}: {_shown(item)} in [{_shown(body)[1:-1]}] is not a number or a "
+                "range like 1-4"
             )
         lo_text, hi_text = match.group(1), match.group(2)
         if max(len(lo_text), len(hi_text or "")) > _MAX_DIGITS:
@@ -86,7 +87,9 @@ def _ranges(body: str, whole: str) -> list[tuple[str, str | None]]:
                 f"{_MAX_DIGITS} digits; Slurm never writes one"
             )
         if hi_text is not None and int(hi_text) < int(lo_text):
-            raise HostlistError(f"host list {_shown(whole)}: range {_shown(item)} runs backwards; write {hi_text}-{lo_text}")
+            raise HostlistError(
+                f"host list {_shown(whole)}: range {_shown(item)} runs backwards; write {hi_text}-{lo_text}"
+            )
         items.append((lo_text, hi_text))
     return items
 
@@ -173,7 +176,8 @@ def count_hostlist(hostlist: str) -> int:
     for part in _validate(hostlist):
         names = 1
         for match in re.finditer(r"\[([^\]]*)\]", part):
-            names *= sum(1 if hi is None else int(hi) - int(lo) + 1 for lo, hi in _ranges(match.group(1), hostlist))
+            ranges = _ranges(match.group(1), hostlist)
+            names *= sum(1 if hi is None else int(hi) - int(lo) + 1 for lo, hi in ranges)
         total += names
     return total
 
@@ -191,7 +195,8 @@ def expand_hostlist(hostlist: str, max_hosts: int = MAX_HOSTS) -> list[str]:
     count = count_hostlist(hostlist)
     if count > max_hosts:
         raise HostlistError(
-            f"host list {_shown(hostlist)} names {count} hosts, more than the {max_hosts} parallelctx expands; "
+            f"host list {_shown(hostlist)} names {count} hosts, more than the {max_hosts} parallelctx "
+            "expands; "
             "use first_host() or count_hostlist() where the whole list is not needed"
         )
     return list(iter_hostlist(hostlist))
@@ -212,10 +217,13 @@ def _count_items(counts: str) -> list[tuple[int, int]]:
     for item in counts.split(","):
         match = _COUNT.match(item.strip())
         if not match:
-            raise HostlistError(f"task count list {_shown(counts)}: {_shown(item)} is neither 'N' nor 'N(xK)'")
+            raise HostlistError(
+                f"task count list {_shown(counts)}: {_shown(item)} is neither 'N' nor 'N(xK)'"
+            )
         if max(len(match.group(1)), len(match.group(2) or "")) > _MAX_DIGITS:
             raise HostlistError(
-                f"task count list {_shown(counts)}: {_shown(item)} has a number of more than {_MAX_DIGITS} digits"
+                f"task count list {_shown(counts)}: {_shown(item)} has a number of more than "
+                f"{_MAX_DIGITS} digits"
             )
         out.append((int(match.group(1)), int(match.group(2) or 1)))
     return out
