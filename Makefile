@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-launchers bench venv clean
+.PHONY: demo test test-faults test-launchers bench venv clean
 
 venv: $(STAMP)
 
@@ -20,7 +20,10 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.demo --config configs/demo_3d.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults" -q
+
+test-faults: $(STAMP)
+	$(BIN)/python -m pytest -m faults -q
 
 test-launchers: $(STAMP)
 	$(BIN)/python -m pytest -m launchers -q

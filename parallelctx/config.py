@@ -8,19 +8,34 @@ A config comes from a dict, a :class:`Config`, or a file (``.py``, ``.json``, ``
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import json
+import math
+import operator
+import os
+import re
 import runpy
 import sys
-import tomllib
 import types
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator
+import tomllib
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator, model_validator
 
 from .layout import DEFAULT_ORDER, LayoutError, parse_order
+from .limits import (
+    MAX_CONFIG_BYTES,
+    MAX_CONFIG_DEPTH,
+    MAX_CONFIG_NODES,
+    MAX_SEED,
+    MAX_TIMEOUT_SECONDS,
+    MIN_TIMEOUT_SECONDS,
+)
 
 __all__ = [
     "AxisConfig",
@@ -30,45 +45,140 @@ __all__ = [
     "ExpertConfig",
     "ParallelConfig",
     "Section",
+    "check_init_method_env",
     "load_config",
     "to_timedelta",
+    "validate_init_method",
 ]
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
-MAX_SEED = 2**32 - 1
 
 
 class ConfigError(ValueError):
-    """A config that cannot be read: a missing file, a syntax error, an unsupported source."""
+    """A config that cannot be read: a missing file, a syntax error, an unsupported source, a
+    structure past the limits (too deep, too large, self-referential), or a key that would be
+    unreachable."""
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, shortened to about ``limit`` characters for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (int, numpy integer), else None (bool, str,
+    bytes, float and everything else)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        return None
+    try:
+        return operator.index(value)
+    except (TypeError, ValueError):  # e.g. numpy.bool_, whose __index__ refuses
+        return None
+
+
+def _strict_int(value: Any, what: str, low: int, high: int | None = None) -> int:
+    """Return ``value`` as an int in ``[low, high]``; refuse bools, strings, floats and bytes.
+
+    Raises:
+        ValueError: the message names ``what``, the value and the valid range.
+    """
+    span = f"[{low}, {high}]"
+    number = _as_int(value)
+    if number is None:
+        kind = type(value).__name__
+        raise ValueError(
+            f"{what}={_shown(value)} is of type {kind}, not an integer; give a plain int such as {low + 1}"
+        )
+    if high is None:
+        if number < low:
+            raise ValueError(f"{what}={number} must be greater than {low - 1} (an integer of at least {low})")
+    elif number < low:
+        raise ValueError(f"{what}={number} must be greater than or equal to {low} (an integer in {span})")
+    elif number > high:
+        raise ValueError(f"{what}={number} must be less than or equal to {high} (an integer in {span})")
+    return number
+
+
+def _closest(key: Any, valid: tuple[str, ...], cutoff: float = 0.7) -> str | None:
+    """The valid key ``key`` most likely misspells, or None."""
+    if not isinstance(key, str):
+        return None
+    found = difflib.get_close_matches(key.lower(), valid, n=1, cutoff=cutoff)
+    return found[0] if found else None
+
+
+def _unknown_key(section: str, key: Any, valid: tuple[str, ...]) -> str:
+    guess = _closest(key, valid, cutoff=0.6)
+    hint = f"did you mean {guess!r}? " if guess else ""
+    return f"{section}: unknown key {_shown(key)}; {hint}valid keys: {', '.join(valid)}"
 
 
 class AxisConfig(BaseModel):
     """One parallel axis: ``tensor=2`` or ``tensor=dict(size=2, ...)``.
 
-    Keys other than ``size`` are kept (``pipeline=dict(size=4, interleaved_overlap=True)``)
-    and readable as attributes, for the model code that uses them.
+    ``size`` is a plain int (a bool, a string or a float is refused). Other keys are kept
+    (``pipeline=dict(size=4, interleaved_overlap=True)``) and readable as attributes, for the model
+    code that uses them, except keys that look like a misspelt valid key (``sizes``, ``szie``),
+    which are refused with the key they probably mean, and keys named like a pydantic method
+    (``copy``, ``json``, ``model_dump``...), which attribute access could not reach.
     """
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
-    size: PositiveInt = 1
+    size: int = 1
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _positive_int(cls, value: Any) -> int:
+        return _strict_int(value, "size", 1)
 
     @classmethod
-    def _coerce(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            return value  # let pydantic reject it with the path
-        if isinstance(value, int):
-            return {"size": value}
-        return value
+    def _coerce(cls, value: Any, name: str = "axis") -> Any:
+        """Turn ``tensor=2`` into ``{"size": 2}`` and check the keys of ``tensor=dict(...)``."""
+        what = f"parallel.{name}"
+        if isinstance(value, (cls, AxisConfig)):
+            return value
+        if isinstance(value, Mapping):
+            valid = tuple(cls.model_fields)
+            for key in value:
+                if key in valid:
+                    continue
+                if not isinstance(key, str) or not key.isidentifier():
+                    raise ValueError(
+                        f"{what}: key {_shown(key)} is not a name; the keys of an axis are names such as "
+                        f"{', '.join(valid)}"
+                    )
+                guess = _closest(key, valid)
+                if guess is not None:
+                    raise ValueError(f"{what}: unknown key {key!r}; did you mean {guess!r}?")
+                if hasattr(cls, key):
+                    raise ValueError(
+                        f"{what}: key {key!r} has the name of a pydantic model attribute, so "
+                        f"{what}.{key} would not return it; rename the key (e.g. {key + '_'!r})"
+                    )
+            return dict(value)
+        number = _as_int(value)
+        if number is None:
+            raise ValueError(
+                f"{what}={_shown(value)} is of type {type(value).__name__}; give the size as an int "
+                f"({name}=2) or a dict ({name}=dict(size=2))"
+            )
+        return {"size": number}
 
 
 class ExpertConfig(AxisConfig):
     """Expert parallelism: ``expert=4`` or ``expert=dict(size=4, tensor=1)``.
 
-    ``tensor`` is the expert-tensor size; ``None`` means the dense tensor size.
+    ``tensor`` is the expert-tensor size (a plain int); ``None`` means the dense tensor size.
     """
 
-    tensor: PositiveInt | None = None
+    tensor: int | None = None
+
+    @field_validator("tensor", mode="before")
+    @classmethod
+    def _positive_int_or_none(cls, value: Any) -> int | None:
+        return None if value is None else _strict_int(value, "tensor", 1)
 
 
 class ParallelConfig(BaseModel):
@@ -82,13 +192,32 @@ class ParallelConfig(BaseModel):
     pipeline: AxisConfig = AxisConfig()
     context: AxisConfig = AxisConfig()
     expert: ExpertConfig = ExpertConfig()
-    data: PositiveInt | None = None
-    order: str = DEFAULT_ORDER
+    data: int | None = None
+    order: StrictStr = DEFAULT_ORDER
 
-    @field_validator("tensor", "pipeline", "context", "expert", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _int_or_dict(cls, value: Any) -> Any:
-        return AxisConfig._coerce(value)
+    def _known_keys(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for key in value:
+                if key not in cls.model_fields:
+                    raise ValueError(_unknown_key("parallel", key, tuple(cls.model_fields)))
+        return value
+
+    @field_validator("tensor", "pipeline", "context", mode="before")
+    @classmethod
+    def _int_or_dict(cls, value: Any, info: Any) -> Any:
+        return AxisConfig._coerce(value, info.field_name)
+
+    @field_validator("expert", mode="before")
+    @classmethod
+    def _expert_int_or_dict(cls, value: Any) -> Any:
+        return ExpertConfig._coerce(value, "expert")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_int(cls, value: Any) -> int | None:
+        return None if value is None else _strict_int(value, "data", 1)
 
     @field_validator("order")
     @classmethod
@@ -108,9 +237,10 @@ class ParallelConfig(BaseModel):
 class DistConfig(BaseModel):
     """The ``dist`` section: backend, timeout of every wait, and how ranks meet.
 
-    ``timeout`` takes seconds (int or float) or a :class:`datetime.timedelta`.
-    ``init_method`` is a torch URL (``tcp://host:port``, ``env://``, ``file:///path``); when
-    ``None`` the launch functions build ``tcp://host:port`` from their arguments.
+    ``timeout`` takes seconds (int or float) or a :class:`datetime.timedelta`, from 1 ms to 365
+    days. ``init_method`` is a torch URL (``tcp://host:port``, ``env://``, ``file:///path``),
+    checked in full by :func:`validate_init_method`; when ``None`` the launch functions build
+    ``tcp://host:port`` from their arguments.
     ``gloo_lazy_init`` makes parallelctx's gloo subgroups connect on their first collective
     (as NCCL does) instead of when they are made; a TORCH_GLOO_LAZY_INIT set by the user wins.
     """
@@ -119,44 +249,198 @@ class DistConfig(BaseModel):
 
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout: timedelta = DEFAULT_TIMEOUT
-    init_method: str | None = None
-    gloo_lazy_init: bool = True
+    init_method: StrictStr | None = None
+    gloo_lazy_init: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for key in value:
+                if key not in cls.model_fields:
+                    raise ValueError(_unknown_key("dist", key, tuple(cls.model_fields)))
+        return value
 
     @field_validator("timeout", mode="before")
     @classmethod
     def _seconds_or_timedelta(cls, value: Any) -> Any:
         try:
-            return to_timedelta(value)
+            return to_timedelta(value, "dist.timeout")
         except TypeError as exc:
             raise ValueError(str(exc)) from None
 
     @field_validator("init_method")
     @classmethod
-    def _known_scheme(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("tcp://", "env://", "file://")):
-            raise ValueError(
-                f"init_method={value!r} must start with tcp://, env:// or file://"
-            )
-        return value
+    def _valid_url(cls, value: str | None) -> str | None:
+        return None if value is None else validate_init_method(value)
 
 
-def to_timedelta(value: int | float | timedelta) -> timedelta:
+_RANGE_TEXT = (
+    f"between {MIN_TIMEOUT_SECONDS} and {MAX_TIMEOUT_SECONDS} seconds "
+    f"(1 ms to {MAX_TIMEOUT_SECONDS // 86400} days)"
+)
+
+
+def to_timedelta(value: float | timedelta, name: str = "timeout") -> timedelta:
     """Return ``value`` (seconds as an int or float, or a timedelta) as a timedelta.
 
+    The value must be finite and between :data:`~parallelctx.limits.MIN_TIMEOUT_SECONDS` (1 ms)
+    and :data:`~parallelctx.limits.MAX_TIMEOUT_SECONDS` (365 days): torch counts timeouts in
+    milliseconds and, in places, in signed 64-bit nanoseconds, which longer ones overflow.
+    ``name`` is the key or argument the messages name (``"dist.timeout"``, ``"timeout"``).
+
+    Returns:
+        The timedelta.
+
     Raises:
-        TypeError: ``value`` is of another type; the message shows the right forms.
-        ValueError: ``value`` is not positive.
+        TypeError: ``value`` is of another type (a bool, a string...); the message shows the right
+            forms.
+        ValueError: ``value`` is not a finite number, is not positive, or is out of the range; the
+            message names ``name`` and states the range.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
         raise TypeError(
-            f"timeout={value!r} must be seconds (e.g. timeout=1800) or a "
+            f"{name}={_shown(value)} must be seconds (e.g. timeout=1800) or a "
             "datetime.timedelta (e.g. timeout=timedelta(minutes=30))"
         )
-    if not isinstance(value, timedelta):
-        value = timedelta(seconds=value)
-    if value <= timedelta(0):
-        raise ValueError(f"timeout={value} must be positive")
-    return value
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, float) and not math.isfinite(seconds):
+        raise ValueError(f"{name}={value} must be a finite number of seconds, {_RANGE_TEXT}")
+    if seconds <= 0:
+        raise ValueError(f"{name}={_shown(value)} must be positive: {_RANGE_TEXT}")
+    if seconds < MIN_TIMEOUT_SECONDS or seconds > MAX_TIMEOUT_SECONDS:
+        raise ValueError(f"{name}={_shown(value)} is out of range: a timeout must lie {_RANGE_TEXT}")
+    return value if isinstance(value, timedelta) else timedelta(seconds=value)
+
+
+# --------------------------------------------------------------------------- init_method
+
+_HOST_NAME = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)(\.(?!-)[A-Za-z0-9_-]{1,63}(?<!-))*\.?")
+
+
+def _valid_host(host: str) -> bool:
+    """True for an IPv4/IPv6 address or a DNS-style host name."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return len(host) <= 253 and _HOST_NAME.fullmatch(host) is not None
+
+
+def validate_init_method(url: str, name: str = "dist.init_method") -> str:
+    """Check a torch rendezvous URL in full and return it unchanged.
+
+    * ``tcp://HOST:PORT``: HOST an IP address (IPv6 in brackets) or a host name, PORT in 1..65535;
+      no path (a ``?query`` is passed on to torch).
+    * ``env://``: nothing after ``//`` but an optional ``?query``; MASTER_ADDR and MASTER_PORT are
+      read at launch, where :func:`check_init_method_env` checks them.
+    * ``file:///absolute/path``: three slashes and an absolute path to a file (not a folder).
+
+    Returns:
+        ``url``.
+
+    Raises:
+        TypeError: ``url`` is not a string.
+        ValueError: the scheme is none of these, or a part is missing or malformed; the message
+            names ``name``, the URL and the right form.
+    """
+    if not isinstance(url, str):
+        raise TypeError(f"{name}={_shown(url)} must be a string such as 'tcp://10.0.0.1:29500'")
+    shown = _shown(url, 80)
+    if any(ch.isspace() or not ch.isprintable() for ch in url):
+        raise ValueError(f"{name}={shown} contains whitespace or control characters; remove them")
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in ("tcp", "env", "file"):
+        raise ValueError(f"{name}={shown} must start with tcp://, env:// or file://")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(
+            f"{name}={shown}: the port is not a number in 1..65535 (or the address is malformed); write "
+            "tcp://HOST:PORT, e.g. tcp://10.0.0.1:29500"
+        ) from None
+    if parts.fragment:
+        raise ValueError(f"{name}={shown} has a '#' fragment, which torch does not read; remove it")
+    if scheme == "tcp":
+        host = parts.hostname
+        if not host or not parts.netloc:
+            raise ValueError(
+                f"{name}={shown} names no host; write tcp://HOST:PORT, e.g. tcp://10.0.0.1:29500"
+            )
+        if port is None:
+            raise ValueError(f"{name}={shown} names no port; write tcp://{parts.netloc}:PORT, e.g. :29500")
+        if not 0 < port < 65536:
+            raise ValueError(f"{name}={shown}: port {port} must lie in 1..65535")
+        if parts.username or parts.password:
+            raise ValueError(f"{name}={shown} holds a user name or password; write tcp://HOST:PORT")
+        if not _valid_host(host):
+            raise ValueError(f"{name}={shown}: {host!r} is neither an IP address nor a host name")
+        if parts.path not in ("", "/"):
+            raise ValueError(
+                f"{name}={shown} has a path {parts.path!r}, which torch ignores; write tcp://HOST:PORT"
+            )
+    elif scheme == "env":
+        if parts.netloc or parts.path not in ("", "/"):
+            raise ValueError(
+                f"{name}={shown}: env:// takes the address from MASTER_ADDR and MASTER_PORT, so nothing "
+                "may follow env://; write env:// and export them, or write tcp://HOST:PORT"
+            )
+    else:
+        if parts.netloc and parts.netloc != "localhost":
+            raise ValueError(
+                f"{name}={shown}: {parts.netloc!r} would be read as a host name and dropped; write an "
+                "absolute path after three slashes, e.g. file:///tmp/rendezvous"
+            )
+        if not parts.path or parts.path.endswith("/"):
+            raise ValueError(
+                f"{name}={shown} names no file; write file:///absolute/path/to/a/file, e.g. "
+                "file:///tmp/rendezvous"
+            )
+    return url
+
+
+def check_init_method_env(
+    init_method: str | None, env: Mapping[str, str] | None = None, name: str = "dist.init_method"
+) -> None:
+    """Check at launch what an ``init_method`` needs from this machine.
+
+    For ``env://``: MASTER_ADDR is set and not empty and MASTER_PORT is a port in 1..65535 (torch
+    would otherwise fail later without naming the key). For ``file:///path``: the folder of the
+    file exists. Nothing is checked for ``tcp://`` or None. ``env`` defaults to ``os.environ``.
+
+    Returns:
+        None.
+
+    Raises:
+        ConfigError: a variable is missing or malformed, or the folder does not exist; the message
+            names ``name``, the variable and the fix.
+    """
+    if init_method is None:
+        return
+    env = os.environ if env is None else env
+    if init_method.startswith("env://"):
+        addr, port = env.get("MASTER_ADDR", ""), env.get("MASTER_PORT", "")
+        missing = [var for var, val in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not val]
+        if missing:
+            raise ConfigError(
+                f"{name}='env://' takes the rendezvous address from MASTER_ADDR and MASTER_PORT, but "
+                f"{' and '.join(missing)} {'are' if len(missing) > 1 else 'is'} not set; export "
+                "MASTER_ADDR=<host of rank 0> and MASTER_PORT=<free port> on every rank, or set "
+                f"{name}='tcp://HOST:PORT'"
+            )
+        if not re.fullmatch(r"[0-9]{1,5}", port) or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"{name}='env://': MASTER_PORT={_shown(port)} must be a port in 1..65535; export "
+                "MASTER_PORT=<free port>"
+            )
+    elif init_method.startswith("file://"):
+        folder = Path(urlsplit(init_method).path).parent
+        if not folder.is_dir():
+            raise ConfigError(
+                f"{name}={init_method!r}: the folder {str(folder)!r} does not exist; create it (on a "
+                "file system every rank sees) or choose another path"
+            )
 
 
 class _Owned(BaseModel):
@@ -166,18 +450,98 @@ class _Owned(BaseModel):
 
     parallel: ParallelConfig = ParallelConfig()
     dist: DistConfig = DistConfig()
-    seed: int = Field(default=1024, ge=0, le=MAX_SEED)
+    seed: int = 1024
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_int(cls, value: Any) -> int:
+        return _strict_int(value, "seed", 0, MAX_SEED)
+
+
+def _path_text(root: str, link: tuple[Any, ...] | None) -> str:
+    """``config.model.layers[3]`` from a linked path ``(parent_link, key)``; long keys shortened."""
+    keys: list[Any] = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    text = root
+    for key in reversed(keys):
+        if isinstance(key, int) and not isinstance(key, bool):
+            text += f"[{key}]"
+        elif isinstance(key, str) and key.isidentifier() and len(key) <= 40:
+            text += f".{key}"
+        else:
+            text += f"[{_shown(key, 40)}]"
+    return text if len(text) <= 120 else text[:57] + "..." + text[-60:]
+
+
+def _check_tree(data: Any, root: str = "config") -> None:
+    """Refuse a structure no config needs: nesting deeper than ``MAX_CONFIG_DEPTH``, more than
+    ``MAX_CONFIG_NODES`` values (shared ones counted each time they appear, as a YAML alias bomb
+    would expand), or a container that contains itself. Iterative and stopped at the limit, so it
+    costs at most ``MAX_CONFIG_NODES`` steps whatever the input.
+
+    Raises:
+        ConfigError: the message names the place (e.g. ``config.model.layers[3]``) and the limit.
+    """
+    containers = (Mapping, list, tuple, set, frozenset)
+    count = 0
+    on_path: set[int] = set()
+    # Frames (container, linked path, depth); an int frame (a container's id) marks the end of that
+    # container's subtree and takes it off the current path. Paths are linked tuples, built into
+    # text only for a message, so each step costs O(1).
+    stack: list[Any] = [(data, None, 0)]
+    while stack:
+        frame = stack.pop()
+        if isinstance(frame, int):
+            on_path.discard(frame)
+            continue
+        node, link, depth = frame
+        if id(node) in on_path:
+            raise ConfigError(
+                f"{_path_text(root, link)} contains itself (a self-referential dict or list); a config "
+                "must be a tree"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(
+                f"{_path_text(root, link)} is nested {depth} levels deep, more than the {MAX_CONFIG_DEPTH} "
+                "a config may have"
+            )
+        on_path.add(id(node))
+        stack.append(id(node))
+        items = node.items() if isinstance(node, Mapping) else enumerate(node)
+        for key, value in items:
+            count += 1
+            if count > MAX_CONFIG_NODES:
+                raise ConfigError(
+                    f"{root} holds more than {MAX_CONFIG_NODES} values (shared values, e.g. YAML aliases, "
+                    f"counted each time they appear; the limit was reached at "
+                    f"{_path_text(root, (link, key))}); a config this large is refused"
+                )
+            if isinstance(value, containers):
+                stack.append((value, (link, key), depth + 1))
 
 
 class Section(Mapping[str, Any]):
     """A read-only config section with attribute and key access: ``s.lr`` and ``s["lr"]``.
 
-    Nested dicts become sections too; lists and other values are kept as given.
+    Nested dicts become sections too; lists and other values are kept as given. A key named like
+    an attribute of the section (``items``, ``keys``, ``values``, ``get``, ``to_dict``...) is
+    refused: ``s.items`` would return the method, never the value.
+
+    Raises:
+        ConfigError: such a key; the message names it and says to rename it.
     """
 
     __slots__ = ("_data", "_path")
 
     def __init__(self, data: Mapping[str, Any], path: str = "config") -> None:
+        for key in data:
+            if isinstance(key, str) and hasattr(type(self), key):
+                raise ConfigError(
+                    f"{path}: key {key!r} is the name of a config-section method or attribute, so "
+                    f"{path}.{key} would return that, not your value; rename the key (e.g. {key + '_'!r})"
+                )
         self._data = {
             key: Section(value, f"{path}.{key}") if isinstance(value, Mapping) else value
             for key, value in data.items()
@@ -229,7 +593,9 @@ class Config(Section):
     Raises:
         pydantic.ValidationError: a bad value in ``parallel``, ``dist`` or ``seed``; the error
             names the key path and what would be valid.
-        ConfigError: ``data`` is not a mapping.
+        ConfigError: ``data`` is not a mapping; it nests deeper than 64 levels, holds more than a
+            million values or contains itself (see :mod:`parallelctx.limits`); or a key is named
+            like a section method (``items``, ``keys``, ``values``, ``get``...).
     """
 
     __slots__ = ("parallel", "dist", "seed")
@@ -246,6 +612,7 @@ class Config(Section):
             raise ConfigError(
                 f"a config must be a mapping, a Config or a file path, not {type(data).__name__}"
             )
+        _check_tree(data)
         owned = _Owned.model_validate(
             {k: data[k] for k in ("parallel", "dist", "seed") if k in data}
         )
@@ -275,18 +642,26 @@ class Config(Section):
         """Read a config file: ``.py``, ``.json``, ``.toml``, ``.yaml`` or ``.yml``.
 
         In a ``.py`` file every top-level name that does not start with ``_`` and is not a
-        module, function or class becomes a key. The file's folder is importable while it runs,
-        and modules it imports are removed from ``sys.modules`` afterwards.
+        module, function or class becomes a key. The file's folder is importable while it runs;
+        modules it imports stay imported (so an enum it imports is the same object as the one
+        model code imports later). Data files must be UTF-8 and at most 16 MiB; YAML is read
+        with ``safe_load`` semantics.
 
         Returns:
             The validated :class:`Config`.
 
         Raises:
-            ConfigError: the file does not exist, has an unsupported suffix, or does not parse
-                (the message has the file and line).
+            ConfigError: the file does not exist, is a folder, cannot be read, is larger than
+                16 MiB, is not UTF-8, has an unsupported suffix, does not parse (the message has
+                the file and line), or holds a structure past the limits (too deep, too large,
+                self-referential); every message names the file.
             pydantic.ValidationError: a bad value in an owned section.
         """
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(
+                f"config file {str(path)!r} is a directory; pass the path of a config file in it"
+            )
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         suffix = path.suffix.lower()
@@ -298,7 +673,10 @@ class Config(Section):
         data = readers[suffix](path)
         if not isinstance(data, Mapping):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-        return cls(data)
+        try:
+            return cls(data)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
 
 
 def load_config(config: "Config | Mapping[str, Any] | str | Path | None") -> Config:
@@ -315,9 +693,39 @@ def load_config(config: "Config | Mapping[str, Any] | str | Path | None") -> Con
     return Config(config)
 
 
+def _read_text(path: Path) -> str:
+    """The file's text: at most MAX_CONFIG_BYTES, UTF-8 (a BOM is allowed)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                f"{path}: {size} bytes, more than the {MAX_CONFIG_BYTES} bytes (16 MiB) a config file "
+                "may have"
+            )
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save "
+            "the file as UTF-8"
+        ) from None
+
+
+def _parse_failure(path: Path, kind: str, exc: BaseException) -> ConfigError:
+    """A ConfigError for a parser that gave up with something other than its own error."""
+    if isinstance(exc, RecursionError):
+        return ConfigError(
+            f"{path}: {kind} nested too deeply to parse; a config may nest at most {MAX_CONFIG_DEPTH} levels"
+        )
+    return ConfigError(f"{path}: {kind} error: {exc}")
+
+
 def _read_py(path: Path) -> dict[str, Any]:
     folder = str(path.resolve().parent)
-    modules_before = set(sys.modules)
     sys.path.insert(0, folder)
     try:
         namespace = runpy.run_path(str(path), run_name="__parallelctx_config__")
@@ -326,10 +734,10 @@ def _read_py(path: Path) -> dict[str, Any]:
     except Exception as exc:
         raise ConfigError(f"{path}: running the config raised {type(exc).__name__}: {exc}") from exc
     finally:
+        # The folder leaves sys.path; the modules the config imported stay in sys.modules, so the
+        # classes and enums in its values are the ones model code gets when it imports them.
         if folder in sys.path:
             sys.path.remove(folder)
-        for name in set(sys.modules) - modules_before:
-            del sys.modules[name]
     return {
         key: value
         for key, value in namespace.items()
@@ -339,25 +747,53 @@ def _read_py(path: Path) -> dict[str, Any]:
 
 
 def _read_json(path: Path) -> Any:
+    text = _read_text(path)
     try:
-        return json.loads(path.read_text())
+        return json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}:{exc.lineno}: JSON error: {exc.msg}") from None
+    except (RecursionError, ValueError) as exc:  # too deep; an integer past Python's digit limit
+        raise _parse_failure(path, "JSON", exc) from None
 
 
 def _read_toml(path: Path) -> Any:
+    text = _read_text(path)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: TOML error: {exc}") from None
+    except (RecursionError, ValueError) as exc:
+        raise _parse_failure(path, "TOML", exc) from None
+
+
+def _yaml_loader() -> type:
+    """A safe YAML loader whose merge keys (``<<: *a``) cannot multiply a mapping without bound."""
+    import yaml
+
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class _BoundedLoader(base):  # type: ignore[misc, valid-type]
+        def flatten_mapping(self, node: Any) -> None:
+            super().flatten_mapping(node)
+            if len(node.value) > MAX_CONFIG_NODES:
+                raise yaml.constructor.ConstructorError(
+                    None, None,
+                    f"merge keys ('<<') expand one mapping to more than {MAX_CONFIG_NODES} entries",
+                    node.start_mark,
+                )
+
+    return _BoundedLoader
 
 
 def _read_yaml(path: Path) -> Any:
     import yaml
 
+    text = _read_text(path)
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass: no Python objects
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{path}{where}: YAML error: {exc}") from None
+    except (RecursionError, ValueError, OverflowError) as exc:
+        raise _parse_failure(path, "YAML", exc) from None

@@ -9,10 +9,12 @@ One detector per launcher. Each reads only environment variables and returns a
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-from .hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+from .hostlist import HostlistError, count_hostlist, first_host, tasks_on_node
+from .limits import MAX_WORLD_SIZE
 
 __all__ = [
     "LaunchEnv",
@@ -61,6 +63,9 @@ class LaunchEnv:
         return out
 
 
+_INTEGER = re.compile(r"-?[0-9]{1,18}")
+
+
 class _Reader:
     """Reads variables from one environment and remembers which it read."""
 
@@ -94,10 +99,14 @@ class _Reader:
         return None if found is None else self._parse(*found)
 
     def _parse(self, name: str, value: str) -> int:
-        try:
-            return int(value)
-        except ValueError:
-            raise LaunchEnvError(f"{name}={value!r} is not an integer; {self.hint}") from None
+        # int() would also take '1_0', '+1', ' 1' and non-ASCII digits; launchers write plain digits
+        if not _INTEGER.fullmatch(value):
+            shown = value if len(value) <= 40 else value[:37] + "..."
+            raise LaunchEnvError(
+                f"{name}={shown!r} is not an integer; {self.hint} (launchers write plain digits "
+                "0-9, at most 18 of them)"
+            )
+        return int(value)
 
     def variables(self) -> tuple[tuple[str, str], ...]:
         return tuple(sorted(self.seen.items()))
@@ -109,6 +118,11 @@ def _check(launcher: str, rank: int, world: int, local: int | None, local_world:
     r, w, lr, lw, nr, nn = names
     if world < 1:
         raise LaunchEnvError(f"{launcher}: {w}={world} must be at least 1")
+    if world > MAX_WORLD_SIZE:
+        raise LaunchEnvError(
+            f"{launcher}: {w}={world} is larger than the largest world parallelctx supports, "
+            f"MAX_WORLD_SIZE={MAX_WORLD_SIZE}; the variable is damaged or was set by hand"
+        )
     if not 0 <= rank < world:
         raise LaunchEnvError(f"{launcher}: {r}={rank} must lie in [0, {w}={world})")
     if local_world is not None:
@@ -116,8 +130,10 @@ def _check(launcher: str, rank: int, world: int, local: int | None, local_world:
             raise LaunchEnvError(f"{launcher}: {lw}={local_world} must lie in [1, {w}={world}]")
         if local is not None and not 0 <= local < local_world:
             raise LaunchEnvError(f"{launcher}: {lr}={local} must lie in [0, {lw}={local_world})")
-    if local is not None and local < 0:
-        raise LaunchEnvError(f"{launcher}: {lr}={local} must not be negative")
+    if local is not None and not 0 <= local < world:
+        raise LaunchEnvError(f"{launcher}: {lr}={local} must lie in [0, {w}={world})")
+    if node is not None and not 0 <= node < world:
+        raise LaunchEnvError(f"{launcher}: {nr}={node} must lie in [0, {w}={world})")
     if nodes is not None:
         if not 1 <= nodes <= world:
             raise LaunchEnvError(f"{launcher}: {nn}={nodes} must lie in [1, {w}={world}]")
@@ -185,6 +201,24 @@ _MPI_VARS = {
 }
 
 
+def _check_other_mpi(rd: _Reader, launcher: str, rank: int, world: int) -> None:
+    """Raise LaunchEnvError when another MPI family's rank variables are set and disagree."""
+    rank_var, size_var = _MPI_VARS[launcher][:2]
+    for other, (other_rank_var, other_size_var, _, _) in _MPI_VARS.items():
+        if other == launcher or other_rank_var not in rd.env:
+            continue
+        other_rank = rd.req_int(other_rank_var)
+        other_world = rd.opt_int(other_size_var)
+        if other_rank != rank or other_world not in (None, world):
+            raise LaunchEnvError(
+                f"{rank_var}={rank}, {size_var}={world} ({launcher}) disagree with "
+                f"{other_rank_var}={other_rank}, {other_size_var}={other_world} ({other}): two MPI "
+                f"launchers left their variables in this environment, so the rank is ambiguous; "
+                f"unset the stale {other} variables (e.g. a job started inside another MPI job), or "
+                f"start the script with one launcher"
+            )
+
+
 def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> LaunchEnv | None:
     """Read an MPI launcher's variables: Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE),
     MVAPICH (MV2_COMM_WORLD_*), or a PMI launcher (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID,
@@ -195,8 +229,12 @@ def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> La
         The :class:`LaunchEnv`, or None when no MPI rank variable is set (unless ``required``).
         ``local_rank`` is None where the launcher gives none (``srun --mpi=pmi2``).
 
+    When the variables of two MPI families are set (e.g. OMPI_COMM_WORLD_RANK and PMI_RANK), the
+    first in the order above is used and the other must agree with it on rank and world size.
+
     Raises:
-        LaunchEnvError: a variable is missing, not an integer or out of range; Hydra started
+        LaunchEnvError: a variable is missing, not an integer or out of range; two MPI families
+            whose rank or world size disagree; Hydra started
             with ``-pmi-port`` (PMI_ID without PMI_RANK/PMI_SIZE); or ``required`` and no MPI
             variables at all.
     """
@@ -210,6 +248,7 @@ def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> La
         addr, port = _master(rd)
         _check(launcher, rank, world, local, local_world, None, None,
                (rank_var, size_var, local_var, local_size_var, "-", "-"))
+        _check_other_mpi(rd, launcher, rank, world)
         return LaunchEnv(launcher, rank, world, local, local_world, None, addr, port, None, rd.variables())
     if "PMI_ID" in env and "PMI_PORT" in env:
         raise LaunchEnvError(
@@ -283,6 +322,7 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
         if not required:
             return None
         raise LaunchEnvError(f"SLURM_STEP_ID is not set: this process was not started by srun; {SLURM_HINT}")
+    step_id = rd._parse(*step)
     rank = rd.req_int("SLURM_PROCID")
     world = rd.req_int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
     local = rd.req_int("SLURM_LOCALID")
@@ -292,27 +332,26 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
     per_node = rd.first("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     if per_node is not None and node is not None:
         try:
-            counts = expand_tasks_per_node(per_node[1])
+            local_world = tasks_on_node(per_node[1], node)  # no expansion: the list may be huge
         except HostlistError as exc:
             raise LaunchEnvError(f"{per_node[0]}: {exc}") from None
-        if node < len(counts):
-            local_world = counts[node]
     _check("slurm", rank, world, local, local_world, node, nodes,
            ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", per_node[0] if per_node else "-",
             "SLURM_NODEID", "SLURM_STEP_NUM_NODES"))
     addr, port = _master(rd)
     nodelist = rd.first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if nodelist is not None:
-        try:
-            hosts = expand_hostlist(nodelist[1])
+        try:  # the first host and the count, without expanding the list (it may be huge)
+            first, count = first_host(nodelist[1]), count_hostlist(nodelist[1])
         except HostlistError as exc:
             raise LaunchEnvError(f"{nodelist[0]}: {exc}") from None
-        if nodes is not None and nodelist[0] == "SLURM_STEP_NODELIST" and len(hosts) != nodes:
+        if nodes is not None and nodelist[0] == "SLURM_STEP_NODELIST" and count != nodes:
+            shown = nodelist[1] if len(nodelist[1]) <= 60 else nodelist[1][:57] + "..."
             raise LaunchEnvError(
-                f"SLURM_STEP_NODELIST={nodelist[1]!r} names {len(hosts)} hosts but the step has "
+                f"SLURM_STEP_NODELIST={shown!r} names {count} hosts but the step has "
                 f"{nodes} nodes; the environment is inconsistent (was it copied from another step?)"
             )
-        addr = addr or hosts[0]
+        addr = addr or first
     if addr is None:
         raise LaunchEnvError(
             "neither MASTER_ADDR nor SLURM_STEP_NODELIST / SLURM_JOB_NODELIST is set, so the rank-0 "
@@ -322,7 +361,6 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
         job = rd.opt_int("SLURM_JOB_ID", "SLURM_JOBID")
         if job is None:
             raise LaunchEnvError("neither MASTER_PORT nor SLURM_JOB_ID is set; export MASTER_PORT")
-        step_id = int(step[1]) if step[1].isdigit() else 0
         port = slurm_port(job, step_id)
     return LaunchEnv("slurm", rank, world, local, local_world, node, addr, port, nodes, rd.variables())
 

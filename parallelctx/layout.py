@@ -26,10 +26,12 @@ from typing import Iterable
 import numpy as np
 
 from ._fastenum import fast_enum_type, speed_up
+from .limits import MAX_WORLD_SIZE
 
 __all__ = [
     "AXES",
     "DEFAULT_ORDER",
+    "MAX_WORLD_SIZE",
     "Layout",
     "LayoutError",
     "ParallelMode",
@@ -433,14 +435,16 @@ def plan(
 
     ``data = world_size / (tensor * pipeline * context)`` is derived. ``expert_tensor``
     defaults to ``tensor``; ``expert_data = world_size / (expert_tensor * expert * pipeline)``.
+    ``world_size`` may be at most :data:`MAX_WORLD_SIZE` (2**24 = 16,777,216).
 
     Returns:
         The validated :class:`Layout`.
 
     Raises:
-        LayoutError: a size that is not a positive integer, a size product that does not
-            divide ``world_size``, an order string with an unknown or repeated token, an axis of
-            size > 1 that the order string leaves out, or an expert layout whose pipeline groups
+        LayoutError: a size that is not a positive integer, a world larger than
+            :data:`MAX_WORLD_SIZE`, a size product that does not divide ``world_size``, an order
+            string with an unknown or repeated token, an axis of size > 1 that the order string
+            leaves out, or an expert layout whose pipeline groups
             differ from the dense ones (the rules Megatron-core enforces). The message names the
             values and the fix.
     """
@@ -457,6 +461,11 @@ def plan(
     world_size, tensor, pipeline, context, expert, expert_tensor = (
         int(v) for v in (world_size, tensor, pipeline, context, expert, expert_tensor)
     )
+    if world_size > MAX_WORLD_SIZE:
+        raise LayoutError(
+            f"world_size={world_size} is larger than the largest world parallelctx plans, "
+            f"MAX_WORLD_SIZE={MAX_WORLD_SIZE} (2**24); use at most {MAX_WORLD_SIZE} ranks"
+        )
     model = tensor * pipeline * context
     if world_size % model:
         raise LayoutError(

@@ -68,7 +68,7 @@ def test_timeout_forms() -> None:
         ({"parallel": {"tensor": {"size": 0}}}, "parallel.tensor.size", "greater than 0"),
         ({"parallel": {"order": "tp-xp-dp"}}, "parallel.order", "unknown token 'xp'"),
         ({"parallel": {"order": "tp-dp-dp"}}, "parallel.order", "repeats dp"),
-        ({"parallel": {"tensr": 2}}, "parallel.tensr", "Extra inputs are not permitted"),
+        ({"parallel": {"tensr": 2}}, "parallel", "parallel: unknown key 'tensr'; did you mean 'tensor'?"),
         ({"dist": {"backend": "mpi"}}, "dist.backend", "'auto', 'nccl' or 'gloo'"),
         ({"dist": {"timeout": "10s"}}, "dist.timeout", "must be seconds (e.g. timeout=1800) or a datetime.timedelta"),
         ({"dist": {"timeout": -1}}, "dist.timeout", "must be positive"),
@@ -108,9 +108,11 @@ def test_py_file_top_level_names(tmp_path: Path) -> None:
     assert cfg.model.hidden_size == 512
     assert cfg.HIDDEN == 512
     assert "os" not in cfg and "_private" not in cfg and "f" not in cfg
-    # the config's folder was importable while it ran, and nothing leaked afterwards
-    assert "cfg_helper_mod" not in sys.modules
+    # the config's folder was importable while it ran and left sys.path afterwards; the modules the
+    # config imported stay imported (module identity, see test_py_config_keeps_module_identity)
+    assert "cfg_helper_mod" in sys.modules
     assert str(tmp_path) not in sys.path
+    del sys.modules["cfg_helper_mod"]
 
 
 def test_json_toml_yaml(tmp_path: Path) -> None:
@@ -167,3 +169,303 @@ def test_config_pickles_for_spawned_workers() -> None:
     assert section.h == 3
     with pytest.raises(AttributeError, match="config.model has no key 'x'"):
         section.x
+
+
+# --------------------------------------------------------------------------- issue 10: values
+@pytest.mark.parametrize(
+    ("timeout", "text"),
+    [
+        (float("inf"), "dist.timeout=inf must be a finite number of seconds"),
+        (float("nan"), "dist.timeout=nan must be a finite number of seconds"),
+        (-float("inf"), "dist.timeout=-inf must be a finite number of seconds"),
+        (1e20, "dist.timeout=1e+20 is out of range"),
+        (2**64, "dist.timeout=18446744073709551616 is out of range"),
+        (10**400, "is out of range"),
+        (timedelta(days=999999999), "dist.timeout=datetime.timedelta(days=999999999) is out of range"),
+        (timedelta(days=366), "is out of range"),
+        (1e-4, "dist.timeout=0.0001 is out of range"),
+        (0, "dist.timeout=0 must be positive"),
+        (timedelta(0), "must be positive"),
+    ],
+)
+def test_timeouts_must_be_finite_and_in_range(timeout, text) -> None:
+    # inf, nan, 1e20 and 2**64 used to escape as OverflowError; 999999999 days failed at launch
+    with pytest.raises(ValidationError) as info:
+        Config({"dist": {"timeout": timeout}})
+    assert text in str(info.value)
+    assert "between 0.001 and 31536000 seconds (1 ms to 365 days)" in str(info.value)
+
+
+def test_timeout_limits_are_inclusive() -> None:
+    from parallelctx.config import to_timedelta
+
+    assert Config({"dist": {"timeout": 365 * 86400}}).dist.timeout == timedelta(days=365)
+    assert Config({"dist": {"timeout": 0.001}}).dist.timeout == timedelta(milliseconds=1)
+    with pytest.raises(ValueError, match=r"^timeout=inf must be a finite number"):
+        to_timedelta(float("inf"))
+    with pytest.raises(TypeError, match="my_wait='1' must be seconds"):
+        to_timedelta("1", "my_wait")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("data", "text"),
+    [
+        ({"parallel": {"tensor": {"sizes": 4}}}, "parallel.tensor: unknown key 'sizes'; did you mean 'size'?"),
+        ({"parallel": {"pipeline": {"size": 2, "szie": 4}}}, "parallel.pipeline: unknown key 'szie'; did you mean 'size'?"),
+        ({"parallel": {"expert": {"size": 2, "tensr": 2}}}, "parallel.expert: unknown key 'tensr'; did you mean 'tensor'?"),
+        ({"parallel": {"context": {"Size": 2}}}, "parallel.context: unknown key 'Size'; did you mean 'size'?"),
+        ({"parallel": {"tensor": {"size": True}}}, "size=True is of type bool, not an integer"),
+        ({"parallel": {"tensor": True}}, "parallel.tensor=True is of type bool"),
+        ({"parallel": {"tensor": "2"}}, "parallel.tensor='2' is of type str; give the size as an int (tensor=2)"),
+        ({"parallel": {"tensor": {"size": "2"}}}, "size='2' is of type str, not an integer"),
+        ({"parallel": {"tensor": 2.0}}, "parallel.tensor=2.0 is of type float"),
+        ({"parallel": {"tensor": {"size": 2.0}}}, "size=2.0 is of type float"),
+        ({"parallel": {"tensor": None}}, "parallel.tensor=None is of type NoneType"),
+        ({"parallel": {"expert": {"size": 2, "tensor": True}}}, "tensor=True is of type bool"),
+        ({"parallel": {"data": True}}, "data=True is of type bool"),
+        ({"parallel": {"data": "4"}}, "data='4' is of type str"),
+        ({"parallel": {"pipeline": {"size": 2, "copy": 1}}}, "key 'copy' has the name of a pydantic model attribute"),
+        ({"parallel": {"pipeline": {"size": 2, 3: 1}}}, "parallel.pipeline: key 3 is not a name"),
+        ({"parallel": {"order": b"tp-dp"}}, "Input should be a valid string"),
+        ({"seed": True}, "seed=True is of type bool, not an integer"),
+        ({"seed": b"1"}, "seed=b'1' is of type bytes, not an integer"),
+        ({"seed": "1"}, "seed='1' is of type str"),
+        ({"seed": 1.0}, "seed=1.0 is of type float"),
+        ({"dist": {"timout": 3}}, "dist: unknown key 'timout'; did you mean 'timeout'? valid keys: backend, timeout"),
+        ({"dist": {"gloo_lazy_init": "yes"}}, "dist.gloo_lazy_init"),
+        ({"parallel": {"pipelin": 2}}, "parallel: unknown key 'pipelin'; did you mean 'pipeline'?"),
+        ({"parallel": {"zzz": 2}}, "parallel: unknown key 'zzz'; valid keys: tensor, pipeline"),
+    ],
+)
+def test_typos_and_wrong_types_are_refused(data, text) -> None:
+    with pytest.raises(ValidationError) as info:
+        Config(data)
+    assert text in str(info.value)
+
+
+def test_axis_extras_kept_and_numpy_sizes_accepted() -> None:
+    import numpy as np
+
+    cfg = Config({"parallel": {"tensor": np.int64(2), "pipeline": {"size": np.int32(4), "overlap_p2p": True},
+                               "expert": {"size": 2, "tensor": np.int64(1)}, "data": np.int64(1)},
+                  "seed": np.uint32(7)})
+    assert (cfg.parallel.tensor.size, cfg.parallel.pipeline.size, cfg.parallel.expert_tensor) == (2, 4, 1)
+    assert type(cfg.parallel.tensor.size) is int and cfg.seed == 7 and type(cfg.seed) is int
+    assert cfg.parallel.pipeline.overlap_p2p is True
+    with pytest.raises(ValidationError, match="parallel.tensor=np.True_ is of type bool"):
+        Config({"parallel": {"tensor": np.True_}})
+
+
+@pytest.mark.parametrize(
+    ("url", "text"),
+    [
+        ("tcp://", "names no host; write tcp://HOST:PORT"),
+        ("tcp://host", "'tcp://host' names no port"),
+        ("tcp://127.0.0.1:99999", "the port is not a number in 1..65535"),
+        ("tcp://127.0.0.1:0", "port 0 must lie in 1..65535"),
+        ("tcp://h:abc", "the port is not a number in 1..65535"),
+        ("tcp://:29500", "names no host"),
+        ("tcp://user:pw@h:1", "user name or password"),
+        ("tcp://h:1/path", "has a path '/path'"),
+        ("tcp://bad_host!:1", "neither an IP address nor a host name"),
+        ("tcp://h:1#frag", "fragment"),
+        ("tcp://h :1", "whitespace"),
+        ("file://", "names no file"),
+        ("file:///tmp/", "names no file"),
+        ("file://tmp/x", "'tmp' would be read as a host name"),
+        ("env://host:1", "nothing may follow env://"),
+        ("http://x", "must start with tcp://, env:// or file://"),
+        ("TCP://h:1", "must start with tcp://"),
+    ],
+)
+def test_init_method_validated_in_full(url: str, text: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        Config({"dist": {"init_method": url}})
+    assert "dist.init_method" in str(info.value) and text in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["tcp://10.0.0.1:29500", "tcp://[::1]:29500", "tcp://node-01.cluster:1", "tcp://h:65535?x=1",
+            "env://", "env://?rank=0", "file:///tmp/rdzv", "file://localhost/tmp/rdzv"],
+)
+def test_good_init_methods_are_kept(url: str) -> None:
+    assert Config({"dist": {"init_method": url}}).dist.init_method == url
+
+
+def test_check_init_method_env(tmp_path: Path) -> None:
+    from parallelctx.config import check_init_method_env
+
+    good = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    check_init_method_env("env://", good)
+    check_init_method_env(None, {})
+    check_init_method_env("tcp://h:1", {})
+    with pytest.raises(ConfigError, match=r"dist.init_method='env://' .* MASTER_ADDR and MASTER_PORT are not set; export"):
+        check_init_method_env("env://", {})
+    with pytest.raises(ConfigError, match="MASTER_PORT is not set"):
+        check_init_method_env("env://", {"MASTER_ADDR": "h"})
+    with pytest.raises(ConfigError, match="MASTER_ADDR is not set"):
+        check_init_method_env("env://", {"MASTER_ADDR": "", "MASTER_PORT": "1"})
+    for port in ("abc", "0", "70000", "1_0", "-1"):
+        with pytest.raises(ConfigError, match=rf"MASTER_PORT='{port}' must be a port in 1..65535"):
+            check_init_method_env("env://", {"MASTER_ADDR": "h", "MASTER_PORT": port})
+    check_init_method_env(f"file://{tmp_path}/rdzv", {})
+    with pytest.raises(ConfigError, match=r"the folder '.*/nope' does not exist"):
+        check_init_method_env(f"file://{tmp_path}/nope/rdzv", {})
+    with pytest.raises(ConfigError, match="launch_url='env://'"):
+        check_init_method_env("env://", {}, name="launch_url")
+
+
+# --------------------------------------------------------------------------- issue 10: keys and structure
+@pytest.mark.parametrize("key", ["items", "keys", "values", "get", "to_dict", "_data"])
+def test_keys_shadowed_by_methods_are_refused(key: str) -> None:
+    # gpc.config.model.items used to return the mapping method, silently
+    with pytest.raises(ConfigError, match=rf"config.model: key '{key}' is the name of a config-section method"):
+        Config({"model": {key: 1}})
+    with pytest.raises(ConfigError, match=rf"config: key '{key}' is the name"):
+        Config({key: 1})
+
+
+def test_from_file_key_is_refused_at_the_top_only() -> None:
+    with pytest.raises(ConfigError, match="config: key 'from_file'"):
+        Config({"from_file": 1})
+    assert Config({"model": {"from_file": 1}}).model.from_file == 1
+
+
+def test_self_reference_and_deep_nesting_are_refused() -> None:
+    loop: dict = {}
+    loop["again"] = loop
+    with pytest.raises(ConfigError, match="config.model.again contains itself"):
+        Config({"model": loop})
+    items: list = []
+    items.append(items)
+    with pytest.raises(ConfigError, match=r"config.data\[0\] contains itself"):
+        Config({"data": items})
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ConfigError, match=r"config.x\[0\]\[0\].* is nested 65 levels deep, more than the 64"):
+        Config({"x": deep})
+    shared = [1, 2]
+    assert Config({"a": {"x": shared, "y": shared}}).a.y == [1, 2]  # shared, not circular: fine
+
+
+def test_too_many_values_are_refused_quickly() -> None:
+    import time
+
+    level: list = ["x"] * 10
+    for _ in range(9):
+        level = [level] * 10  # 10**10 values once expanded, in a few hundred bytes
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match="config holds more than 1000000 values"):
+        Config({"model": {"bomb": level}})
+    assert time.perf_counter() - start < 10
+
+
+# --------------------------------------------------------------------------- issue 10: files
+@pytest.mark.parametrize("name", ["c.json", "c.toml", "c.yaml", "c.yml"])
+def test_non_utf8_files_name_the_file(tmp_path: Path, name: str) -> None:
+    path = tmp_path / name
+    text = {"c.json": b'{"model": {"name": "caf\xe9"}}', "c.toml": b'[model]\nname = "caf\xe9"\n'}
+    path.write_bytes(text.get(name, b"model:\n  name: caf\xe9\n"))
+    with pytest.raises(ConfigError, match=rf"{name}:\d+: not UTF-8 text \(byte 0xe9 at offset \d+\); save the file as UTF-8"):
+        Config.from_file(path)
+
+
+def test_non_utf8_py_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.py"
+    path.write_bytes(b"model = dict(name='caf\xe9')\n")
+    with pytest.raises(ConfigError, match=r"c\.py:1: syntax error: .*utf-8"):
+        Config.from_file(path)
+
+
+def test_utf8_bom_is_accepted(tmp_path: Path) -> None:
+    (tmp_path / "c.json").write_bytes(b'\xef\xbb\xbf{"seed": 3}')
+    assert Config.from_file(tmp_path / "c.json").seed == 3
+
+
+def test_yaml_alias_bomb_is_refused_in_bounded_time(tmp_path: Path) -> None:
+    # 1 KB of YAML whose aliases expand to 10**10 values: used to take 46 s and 2.5 GB
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 10)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size < 1200
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"bomb\.yaml: config holds more than 1000000 values .*YAML aliases"):
+        Config.from_file(path)
+    assert time.perf_counter() - start < 10
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "match"),
+    [
+        ("self.yaml", "a: &a [*a]\n", r"self\.yaml: config\.a\[0\] contains itself"),
+        ("selfmap.yaml", "a: &a {b: *a}\n", r"selfmap\.yaml: config\.a\.b contains itself"),
+        ("self.py", "model = {}\nmodel['m'] = model\n", r"self\.py: config\.model\.m contains itself"),
+        ("deep.json", "[" * 5000 + "]" * 5000, r"deep\.json: JSON nested too deeply to parse"),
+        ("deep2.json", '{"a": ' + "[" * 100 + "]" * 100 + "}", r"deep2\.json: config\.a(\[0\])+.* is nested 65 levels deep"),
+        ("deep.toml", "a = " + "[" * 5000 + "]" * 5000 + "\n", r"deep\.toml: TOML nested too deeply to parse"),
+        ("deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n", r"deep\.yaml(:\d+: YAML error|: YAML nested too deeply)"),
+        ("deep.py", "x = []\nfor _ in range(5000):\n    x = [x]\n", r"deep\.py: config\.x.* is nested 65 levels deep"),
+        ("bigint.json", '{"a": ' + "1" * 5000 + "}", r"bigint\.json: JSON error: Exceeds the limit"),
+        ("bigint.yaml", "a: " + "1" * 5000 + "\n", r"bigint\.yaml: YAML error: Exceeds the limit"),
+        ("items.yaml", "model:\n  items: 3\n", r"items\.yaml: config\.model: key 'items' is the name"),
+    ],
+)
+def test_structure_faults_in_files_name_the_file(tmp_path: Path, name: str, text: str, match: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        Config.from_file(path)
+
+
+def test_directory_and_oversized_files(tmp_path: Path) -> None:
+    folder = tmp_path / "cfg.yaml"
+    folder.mkdir()
+    with pytest.raises(ConfigError, match="cfg.yaml' is a directory; pass the path of a config file"):
+        Config.from_file(folder)
+    big = tmp_path / "big.json"
+    with big.open("wb") as handle:
+        handle.truncate(16 * 2**20 + 1)
+    with pytest.raises(ConfigError, match=r"big\.json: 16777217 bytes, more than the 16777216 bytes \(16 MiB\)"):
+        Config.from_file(big)
+
+
+def test_unreadable_file_names_the_file(tmp_path: Path) -> None:
+    import os
+
+    path = tmp_path / "secret.json"
+    path.write_text("{}")
+    path.chmod(0)
+    try:
+        if os.access(path, os.R_OK):  # root reads anything
+            pytest.skip("running as root: permissions are not enforced")
+        with pytest.raises(ConfigError, match=r"secret\.json: cannot be read: Permission denied"):
+            Config.from_file(path)
+    finally:
+        path.chmod(0o600)
+
+
+def test_py_config_keeps_module_identity(tmp_path: Path) -> None:
+    # the enum a .py config imports must be the one model code imports later
+    package = tmp_path / "idpkg_issue10"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "types.py").write_text(
+        "import enum\nclass Precision(enum.Enum):\n    BF16 = 'bf16'\n    FP32 = 'fp32'\n"
+    )
+    cfg_path = tmp_path / "train.py"
+    cfg_path.write_text("from idpkg_issue10.types import Precision\ntrain = dict(precision=Precision.BF16)\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        cfg = Config.from_file(cfg_path)
+        from idpkg_issue10.types import Precision  # the user's later import
+
+        assert cfg.train.precision is Precision.BF16
+        assert cfg.train.precision == Precision.BF16
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [n for n in sys.modules if n.startswith("idpkg_issue10")]:
+            del sys.modules[name]

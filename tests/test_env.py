@@ -298,3 +298,76 @@ def test_cli_env_refuses_batch_shell() -> None:
     out = _cli(batch_shell_env())
     assert out.returncode == 2
     assert "Start the script with srun" in out.stderr
+
+
+# ----------------------------------------------------------------------------- damaged variables
+
+
+@pytest.mark.parametrize("value", ["1_0", "+1", " 1", "1 ", "١", "0x1", "1e3", "", "9" * 19, "9" * 5000])
+def test_only_plain_digits_are_integers(value: str) -> None:
+    # int() reads '1_0' as 10 and '١' (Arabic-Indic one) as 1; a launcher writes plain digits
+    env = {**torchrun_env(), "RANK": value}
+    if value == "":
+        with pytest.raises(LaunchEnvError, match="RANK is not set"):
+            detect(env)
+        return
+    with pytest.raises(LaunchEnvError, match=r"RANK='.*' is not an integer; start the script with torchrun") as info:
+        detect(env)
+    assert "plain digits 0-9" in str(info.value) and len(str(info.value)) < 300
+
+
+def test_world_size_beyond_the_maximum_is_refused() -> None:
+    # WORLD_SIZE=2**40 used to reach torch and fail there with a pybind TypeError
+    env = {**torchrun_env(rank=0), "WORLD_SIZE": str(2**40)}
+    with pytest.raises(LaunchEnvError, match=r"WORLD_SIZE=1099511627776 is larger than .*MAX_WORLD_SIZE=16777216"):
+        detect(env)
+    with pytest.raises(LaunchEnvError, match="OMPI_COMM_WORLD_SIZE=1099511627776 is larger"):
+        detect({**ompi_env(), "OMPI_COMM_WORLD_SIZE": str(2**40)})
+
+
+def test_local_rank_and_node_beyond_the_world_are_refused() -> None:
+    env = {k: v for k, v in ompi_env().items() if k != "OMPI_COMM_WORLD_LOCAL_SIZE"}
+    with pytest.raises(LaunchEnvError, match=r"OMPI_COMM_WORLD_LOCAL_RANK=99 must lie in \[0, OMPI_COMM_WORLD_SIZE=4\)"):
+        detect({**env, "OMPI_COMM_WORLD_LOCAL_RANK": "99"})
+    env = {k: v for k, v in srun_env().items() if k not in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")}
+    with pytest.raises(LaunchEnvError, match=r"SLURM_NODEID=7 must lie in \[0, SLURM_NTASKS=4\)"):
+        detect({**env, "SLURM_NODEID": "7"})
+
+
+def test_slurm_step_id_must_be_an_integer() -> None:
+    # SLURM_STEP_ID=abc used to be read as step 0 silently
+    with pytest.raises(LaunchEnvError, match="SLURM_STEP_ID='abc' is not an integer; start every task with srun"):
+        detect({**srun_env(), "SLURM_STEP_ID": "abc"})
+    assert detect({**srun_env(), "SLURM_STEP_ID": "3", "SLURM_STEPID": "3"}).master_port == slurm_port(42, 3)
+
+
+def test_huge_slurm_node_list_is_not_expanded() -> None:
+    # SLURM_JOB_NODELIST='n[1-100000000]' used to be expanded in full (MemoryError after 7 s)
+    import time
+
+    env = {**srun_env(), "SLURM_JOB_NODELIST": "n[1-100000000]", "SLURM_TASKS_PER_NODE": "2(x100000000)"}
+    del env["SLURM_STEP_NODELIST"], env["SLURM_STEP_TASKS_PER_NODE"]
+    start = time.perf_counter()
+    found = detect(env)
+    assert time.perf_counter() - start < 1.0
+    assert (found.master_addr, found.local_world_size) == ("n1", 2)
+    env["SLURM_STEP_NODELIST"] = "n[1-100000000]"
+    with pytest.raises(LaunchEnvError, match="names 100000000 hosts but the step has 2 nodes"):
+        detect(env)
+
+
+def test_two_mpi_families_that_disagree_are_refused() -> None:
+    # an Open MPI job started inside an MPICH one: OMPI used to win silently
+    env = {**ompi_env(rank=3), "PMI_RANK": "0", "PMI_SIZE": "1"}
+    with pytest.raises(LaunchEnvError, match=(
+            r"OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_SIZE=4 \(openmpi\) disagree with PMI_RANK=0, "
+            r"PMI_SIZE=1 \(mpich\).*unset the stale mpich variables")):
+        detect(env)
+    with pytest.raises(LaunchEnvError, match="MV2_COMM_WORLD_RANK=2"):
+        detect({**ompi_env(rank=3), "MV2_COMM_WORLD_RANK": "2"})
+    with pytest.raises(LaunchEnvError, match="PMI_RANK='x' is not an integer"):
+        detect({**ompi_env(rank=3), "PMI_RANK": "x"})
+    # agreeing families are fine (the first family wins; both are listed as read)
+    found = detect({**ompi_env(rank=3), "PMI_RANK": "3", "PMI_SIZE": "4"})
+    assert (found.launcher, found.rank) == ("openmpi", 3)
+    assert dict(found.variables)["PMI_RANK"] == "3"

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from parallelctx.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node, first_host
+from parallelctx.hostlist import (
+    HostlistError,
+    count_hostlist,
+    expand_hostlist,
+    expand_tasks_per_node,
+    first_host,
+    tasks_on_node,
+)
 
 
 @pytest.mark.parametrize(
@@ -89,3 +96,45 @@ def test_tasks_per_node(text: str, counts: list[int]) -> None:
 def test_tasks_per_node_malformed(text: str) -> None:
     with pytest.raises(HostlistError, match="neither"):
         expand_tasks_per_node(text)
+
+
+# --------------------------------------------------------------------------- bounded in time and memory
+def test_huge_node_list_first_host_and_count_without_expanding() -> None:
+    # SLURM_JOB_NODELIST='n[1-100000000]' used to be expanded in full (MemoryError after 7 s)
+    huge = "n[1-100000000]"
+    assert first_host(huge) == "n1"
+    assert count_hostlist(huge) == 100_000_000
+    assert count_hostlist("n[1-2],gpu-a[1-2]b[0-1],x") == 7
+    assert count_hostlist("n[1,1]") == 2
+    with pytest.raises(HostlistError, match=r"names 100000000 hosts, more than the 1048576 parallelctx expands"):
+        expand_hostlist(huge)
+    assert expand_hostlist("n[1-4]", max_hosts=4) == ["n1", "n2", "n3", "n4"]
+    with pytest.raises(HostlistError, match="names 5 hosts, more than the 4"):
+        expand_hostlist("n[1-5]", max_hosts=4)
+
+
+def test_first_host_of_a_huge_range_is_instant() -> None:
+    import time
+
+    start = time.perf_counter()
+    assert first_host("n[1-999999999999999999]") == "n1"
+    assert first_host("a[1-999999999]b[5-999999999]c") == "a1b5c"
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.parametrize("text", ["n[1-" + "9" * 5000 + "]", "n[" + "1" * 19 + "]"])
+def test_overlong_numbers_are_refused(text: str) -> None:
+    with pytest.raises(HostlistError, match="has a number of more than 18 digits") as info:
+        expand_hostlist(text)
+    assert len(str(info.value)) < 300  # the message shortens the list
+
+
+def test_tasks_on_node_without_expanding() -> None:
+    assert [tasks_on_node("2(x3),1", n) for n in range(5)] == [2, 2, 2, 1, None]
+    assert tasks_on_node("4(x100000000000)", 99_999_999_999) == 4
+    with pytest.raises(HostlistError, match=r"covers 100000000 nodes, more than the 1048576"):
+        expand_tasks_per_node("1(x100000000)")
+    with pytest.raises(HostlistError, match="neither"):
+        tasks_on_node("2(x)", 0)
+    with pytest.raises(HostlistError, match="more than 18 digits"):
+        tasks_on_node("1(x" + "9" * 30 + ")", 0)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from parallelctx import LayoutError, ParallelMode, plan
-from parallelctx.layout import parse_order
+from parallelctx.layout import MAX_WORLD_SIZE, parse_order
 
 LATTICE_MODES = [m for m in ParallelMode if m is not ParallelMode.EMBEDDING]
 
@@ -183,3 +183,21 @@ def test_one_million_ranks() -> None:
     assert layout.group_of("tensor", last) == list(range(world - 8, world))
     assert layout.group_of("pipeline", 5) == [5 + i * (world // 16) for i in range(16)]
     assert len(layout.groups("data")) == 128
+
+
+# --------------------------------------------------------------------------- limits
+@pytest.mark.parametrize("world", [MAX_WORLD_SIZE + 1, 2**31, 2**32, 2**63, 2**64, 10**30])
+def test_worlds_beyond_the_maximum_are_refused(world: int) -> None:
+    # 2**31 and more used to fail in numpy (MemoryError, "array is too big"), 2**63 gave wrong groups
+    with pytest.raises(LayoutError, match=rf"world_size={world} is larger than .*MAX_WORLD_SIZE=16777216"):
+        plan(world)
+    with pytest.raises(LayoutError, match="MAX_WORLD_SIZE"):
+        plan(world, tensor=2)
+
+
+def test_largest_world_plans_and_answers_queries() -> None:
+    layout = plan(MAX_WORLD_SIZE, tensor=8, pipeline=16)
+    last = MAX_WORLD_SIZE - 1
+    assert layout.group_of("tensor", last) == list(range(MAX_WORLD_SIZE - 8, MAX_WORLD_SIZE))
+    assert layout.local_rank("pipeline", last) == 15
+    assert layout.group_of("pipeline", 0)[-1] == 15 * (MAX_WORLD_SIZE // 16)
