@@ -2,27 +2,91 @@
 
 ``from parallelctx import gpc, ParallelMode`` anywhere in model code; start the job with one of
 the ``launch*`` functions or :func:`spawn`.
+
+The config, the layout maths and launcher detection import without torch (so ``parallelctx
+plan`` runs on a login node); ``gpc``, the launch functions, ``spawn`` and ``checkpoint`` load
+torch on first use (PEP 562 module attributes).
 """
 
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .config import Config, ConfigError, load_config
-from .checkpoint import checkpoint, rng_context_fn
-from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
 from .env import LaunchEnv, LaunchEnvError
-from .launch import (
-    SpawnError,
-    init_dist,
-    launch,
-    launch_from_env,
-    launch_from_openmpi,
-    launch_from_slurm,
-    launch_from_torch,
-    spawn,
-)
 from .layout import Layout, LayoutError, ParallelMode, plan
 from .mesh import MeshError
-from .seed import REPLICA
+
+if TYPE_CHECKING:
+    from .checkpoint import checkpoint, rng_context_fn
+    from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
+    from .launch import (
+        init_dist,
+        launch,
+        launch_from_env,
+        launch_from_openmpi,
+        launch_from_slurm,
+        launch_from_torch,
+    )
+    from .seed import REPLICA
+    from .spawn import SpawnError, spawn
 
 __version__ = "0.1.0"
+
+# Names that load torch, and the module each comes from.
+_LAZY = {
+    "checkpoint": "checkpoint",
+    "rng_context_fn": "checkpoint",
+    "ModeView": "context",
+    "NotLaunchedError": "context",
+    "ParallelContext": "context",
+    "RNGState": "context",
+    "gpc": "context",
+    "init_dist": "launch",
+    "launch": "launch",
+    "launch_from_env": "launch",
+    "launch_from_openmpi": "launch",
+    "launch_from_slurm": "launch",
+    "launch_from_torch": "launch",
+    "REPLICA": "seed",
+    "SpawnError": "spawn",
+    "spawn": "spawn",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load a torch-backed name on first use (PEP 562).
+
+    Raises:
+        AttributeError: ``name`` is not a name of parallelctx.
+    """
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'parallelctx' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """The package module: importing the submodule ``parallelctx.launch`` (or ``spawn``,
+    ``checkpoint``) must not replace the function of the same name on the package."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name:
+            return  # the submodule stays in sys.modules; the package name means the function
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "Config",

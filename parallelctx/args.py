@@ -71,6 +71,7 @@ def validate_launch_args(
     seed: Any = None,
     backend: Any = None,
     init_method: Any = None,
+    need_address: bool = True,
 ) -> LaunchArgs:
     """Check the arguments of ``launch()`` and return them normalised.
 
@@ -85,6 +86,9 @@ def validate_launch_args(
     * ``seed``: None or an int in ``[0, 2**32)``; ``backend``: None, ``"auto"``, ``"nccl"`` or
       ``"gloo"``; ``init_method``: None or a URL :func:`parallelctx.config.validate_init_method`
       accepts.
+
+    ``need_address=False`` (the default group exists already and is adopted) lifts the
+    host/port requirement.
 
     numpy integers are accepted and returned as ints. None means "take it from the config".
 
@@ -122,7 +126,7 @@ def validate_launch_args(
             url = validate_init_method(init_method, "init_method")
         except (TypeError, ValueError) as exc:
             raise LaunchArgumentError(str(exc)) from None
-    if world > 1 and url is None:
+    if world > 1 and url is None and need_address:
         if port_ is None:
             raise LaunchArgumentError(
                 f"port=None: a world of {world} needs a rendezvous port; pass port= (an int in 1..65535) "

@@ -248,10 +248,10 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
     except ValueError as exc:
         print(f"parallelctx check: {exc}", file=sys.stderr)
         return 2
-    import parallelctx
-    from parallelctx import gpc
+    from .context import gpc
+    from .launch import launch_from_env
 
-    parallelctx.launch_from_env(args.config)
+    launch_from_env(args.config)
     try:
         if prepare is not None:
             prepare(gpc)

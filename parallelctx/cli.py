@@ -14,7 +14,8 @@ import json
 import sys
 from typing import IO, Any
 
-from .layout import DEFAULT_ORDER, Layout, LayoutError, plan
+from .config import ParallelConfig, load_config
+from .layout import DEFAULT_ORDER, Layout, LayoutError
 from .placement import ModeSpan, PlacementWarning, node_ids, node_spans, placement_warnings
 
 __all__ = ["build_parser", "check_arguments", "main"]
@@ -26,13 +27,12 @@ JSON_FULL_LIMIT = 16_384
 _HEAD_GROUPS = 4
 
 
-def _sizes(args: argparse.Namespace) -> dict[str, Any]:
-    """Sizes and order from the flags, falling back to ``--config``'s ``parallel`` section, then to 1."""
+def _parallel(args: argparse.Namespace) -> ParallelConfig:
+    """The ``parallel`` section from the flags, falling back to ``--config``'s, then to size 1."""
     sizes: dict[str, Any] = {"tensor": 1, "pipeline": 1, "context": 1, "expert": 1, "expert_tensor": None}
     sizes["order"] = DEFAULT_ORDER
+    data = None
     if args.config is not None:
-        from .config import load_config
-
         par = load_config(args.config).parallel
         sizes.update(
             tensor=par.tensor.size,
@@ -42,11 +42,19 @@ def _sizes(args: argparse.Namespace) -> dict[str, Any]:
             expert_tensor=par.expert.tensor,
             order=par.order,
         )
+        data = par.data
     for key in ("tensor", "pipeline", "context", "expert", "expert_tensor", "order"):
         value = getattr(args, key)
         if value is not None:
             sizes[key] = value
-    return sizes
+    return ParallelConfig(
+        tensor=sizes["tensor"],
+        pipeline=sizes["pipeline"],
+        context=sizes["context"],
+        expert={"size": sizes["expert"], "tensor": sizes["expert_tensor"]},
+        order=sizes["order"],
+        data=data,
+    )
 
 
 def _world_size(args: argparse.Namespace) -> int:
@@ -87,7 +95,7 @@ def _json_summary(layout: Layout, extra: dict[str, Any]) -> dict[str, Any]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         world = _world_size(args)
-        layout = plan(world, **_sizes(args))
+        layout = _parallel(args).to_layout(world)
         warnings: list[PlacementWarning] = []
         spans: list[ModeSpan] = []
         if args.nproc_per_node is not None:

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import tomllib
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator, model_validator
 
-from .layout import DEFAULT_ORDER, LayoutError, parse_order
+from .layout import DEFAULT_ORDER, Layout, LayoutError, parse_order
 from .limits import (
     MAX_CONFIG_BYTES,
     MAX_CONFIG_DEPTH,
@@ -41,6 +41,7 @@ __all__ = [
     "AxisConfig",
     "Config",
     "ConfigError",
+    "ConfigLike",
     "DistConfig",
     "ExpertConfig",
     "ParallelConfig",
@@ -232,6 +233,33 @@ class ParallelConfig(BaseModel):
     def expert_tensor(self) -> int:
         """The expert-tensor size: ``expert.tensor``, else the tensor size."""
         return self.expert.tensor or self.tensor.size
+
+    def to_layout(self, world_size: int) -> Layout:
+        """Return the :class:`~parallelctx.layout.Layout` of these sizes and order on a world of
+        ``world_size`` ranks: the one place the config's sizes become a layout.
+
+        Returns:
+            The validated Layout.
+
+        Raises:
+            LayoutError: the sizes do not fit ``world_size``, or ``data`` is given and differs
+                from the derived data size; the message names the values and the fix.
+        """
+        layout = Layout(
+            world_size,
+            tensor=self.tensor.size,
+            pipeline=self.pipeline.size,
+            context=self.context.size,
+            expert=self.expert.size,
+            expert_tensor=self.expert.tensor,
+            order=self.order,
+        )
+        if self.data is not None and self.data != layout.data:
+            raise LayoutError(
+                f"parallel.data={self.data} but world_size={world_size} / (tensor x pipeline x "
+                f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
+            )
+        return layout
 
 
 class DistConfig(BaseModel):
@@ -679,7 +707,11 @@ class Config(Section):
             raise ConfigError(f"{path}: {exc}") from None
 
 
-def load_config(config: "Config | Mapping[str, Any] | str | Path | None") -> Config:
+ConfigLike = Config | Mapping[str, Any] | str | Path | None
+"""What every launch function accepts as its config: a Config, a dict, a file path, or None."""
+
+
+def load_config(config: ConfigLike) -> Config:
     """Return a :class:`Config` from a Config, a dict, a file path, or None (all defaults).
 
     Raises:

@@ -20,9 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import Config, load_config
+from .args import validate_launch_args
+from .config import DEFAULT_TIMEOUT, Config, check_init_method_env, load_config
 from .groups import create_groups
-from .layout import Layout, LayoutError, ParallelMode, plan
+from .layout import Layout, ParallelMode
 from .seed import STREAMS, RNGSnapshot, RNGStreams, Stream, mode_seed, parse_stream
 
 __all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc"]
@@ -126,10 +127,10 @@ VIEW_NAMES: dict[ParallelMode, str] = {
 class ParallelContext:
     """The parallel context of this process. Use the one instance, ``parallelctx.gpc``.
 
-    Lifecycle (what the ``launch*`` functions call, in this order): :meth:`load_config`,
-    :meth:`init_global_dist`, :meth:`init_parallel_groups`,
-    :meth:`detect_num_processes_on_current_node`, :meth:`set_device`, :meth:`set_seed`;
-    :meth:`destroy` undoes all.
+    Lifecycle: :meth:`launch` (what every ``launch*`` function ends in) calls, in this order,
+    :meth:`load_config`, :meth:`init_global_dist`, :meth:`init_parallel_groups`,
+    :meth:`detect_num_processes_on_current_node`, :meth:`set_device`, :meth:`set_seed`, and
+    :meth:`destroy` when any of them fails; :meth:`destroy` undoes all.
     """
 
     # Readable views, one per mode, set at launch (declared for type checkers).
@@ -206,7 +207,7 @@ class ParallelContext:
         self._streams: RNGStreams | None = None
         self._seed: int | None = None
         self._device = torch.device("cpu")
-        self._device_mesh: Any = None
+        self._device_meshes: dict[str, Any] = {}
         for mode, name in VIEW_NAMES.items():
             setattr(self, name, _Unlaunched(name))
 
@@ -225,6 +226,88 @@ class ParallelContext:
         return self._not_launched(what)
 
     # ------------------------------------------------------------------ lifecycle
+    def launch(
+        self,
+        config: Config | Mapping[str, Any] | str | Path | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        host: str | None = "127.0.0.1",
+        port: int | None = None,
+        backend: str | None = None,
+        local_rank: int | None = None,
+        seed: int | None = None,
+        timeout: int | float | timedelta | None = None,
+        init_method: str | None = None,
+        local_world_size: int | None = None,
+    ) -> ParallelContext:
+        """Set up this context: config, default group, parallel groups, processes per node,
+        device and seeds; on any failure, tear down what was made and re-raise.
+
+        The arguments are checked first (:func:`parallelctx.args.validate_launch_args`).
+        ``backend``, ``seed``, ``timeout`` and ``init_method`` left at None take the config's
+        ``dist`` and ``seed`` values (resolved here, nowhere else). ``local_world_size``, when
+        the launcher gives it, is checked against the processes counted on this host; a
+        mismatch is logged as a warning. Logs one summary line on the rank
+        :meth:`is_rank_for_log` picks.
+
+        Returns:
+            This context.
+
+        Raises:
+            RuntimeError: already launched (call :meth:`destroy` first), or a peer does not
+                arrive within the timeout.
+            LaunchArgumentError: a bad argument (a ValueError and a TypeError; the message
+                names it).
+            ValueError: a bad config value (ConfigError, LayoutError and pydantic's
+                ValidationError are ValueErrors).
+        """
+        if self._global_rank >= 0:
+            raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
+        cfg = self.load_config(config)
+        args = validate_launch_args(
+            rank=rank,
+            world_size=world_size,
+            host=host,
+            port=port,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            timeout=timeout,
+            seed=seed,
+            backend=backend,
+            init_method=init_method or cfg.dist.init_method,
+            need_address=not dist.is_initialized(),  # an existing default group is adopted
+        )
+        try:
+            self._local_rank = args.local_rank
+            check_init_method_env(args.init_method)
+            self.init_global_dist(
+                args.rank,
+                args.world_size,
+                backend=args.backend or cfg.dist.backend,
+                host=args.host,
+                port=args.port,
+                timeout=args.timeout or cfg.dist.timeout,
+                init_method=args.init_method,
+            )
+            self.init_parallel_groups()
+            on_node = self.detect_num_processes_on_current_node()
+            self.set_device()
+            self.set_seed(cfg.seed if args.seed is None else args.seed)
+        except BaseException:
+            self.destroy()
+            raise
+        if args.local_world_size is not None and args.local_world_size != on_node:
+            logger.warning(
+                "the launcher says %d processes run on this node, but %d ranks share host %r; "
+                "check the launcher's host list and the per-node process count",
+                args.local_world_size,
+                on_node,
+                socket.gethostname(),
+            )
+        if self.is_rank_for_log():
+            logger.info(self.summary())
+        return self
+
     def load_config(self, config: Config | Mapping[str, Any] | str | Path | None) -> Config:
         """Validate and store the config (a Config, a dict, a file path, or None).
 
@@ -275,7 +358,7 @@ class ParallelContext:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
         backend = resolve_backend(backend)
-        timeout = timeout or (self._config.dist.timeout if self._config else timedelta(minutes=30))
+        timeout = timeout or (self._config.dist.timeout if self._config else DEFAULT_TIMEOUT)
         if dist.is_initialized():
             if dist.get_rank() != rank or dist.get_world_size() != world_size:
                 raise RuntimeError(
@@ -334,21 +417,7 @@ class ParallelContext:
         """
         if self._world_size == 0:
             raise self._not_launched("init_parallel_groups()")
-        par = self.config.parallel
-        layout = plan(
-            self._world_size,
-            tensor=par.tensor.size,
-            pipeline=par.pipeline.size,
-            context=par.context.size,
-            expert=par.expert.size,
-            expert_tensor=par.expert_tensor,
-            order=par.order,
-        )
-        if par.data is not None and par.data != layout.data:
-            raise LayoutError(
-                f"parallel.data={par.data} but world_size={self._world_size} / (tensor x pipeline x "
-                f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
-            )
+        layout = self.config.parallel.to_layout(self._world_size)
         # Accelerator backends get a gloo group beside each group; CPU backends serve both.
         cpu_backend = None if self._backend in _CPU_BACKENDS else "gloo"
         timeout = self._timeout or self.config.dist.timeout
@@ -653,19 +722,35 @@ class ParallelContext:
 
     @property
     def device_mesh(self) -> Any:
-        """A ``torch.distributed.device_mesh.DeviceMesh`` over the enabled dense axes, built
-        once from the process groups parallelctx already made (see :mod:`parallelctx.mesh`).
+        """A ``torch.distributed.device_mesh.DeviceMesh`` over the dense axes (``pp``, ``dp``,
+        ``cp``, ``tp``, size 1 included), built once from the process groups parallelctx
+        already made (see :mod:`parallelctx.mesh`).
 
         Raises:
             NotLaunchedError: before launch.
         """
+        return self._mesh("dense")
+
+    @property
+    def expert_device_mesh(self) -> Any:
+        """The ``DeviceMesh`` of the expert grid (``pp``, ``edp``, ``ep``, ``etp``), built once
+        from the expert groups.
+
+        Raises:
+            NotLaunchedError: before launch.
+        """
+        return self._mesh("expert")
+
+    def _mesh(self, grid: str) -> Any:
         if self._layout is None:
-            raise self._not_launched("gpc.device_mesh")
-        if self._device_mesh is None:
+            raise self._not_launched("gpc.device_mesh" if grid == "dense" else "gpc.expert_device_mesh")
+        if grid not in self._device_meshes:
             from .mesh import build_device_mesh
 
-            self._device_mesh = build_device_mesh(self)
-        return self._device_mesh
+            self._device_meshes[grid] = build_device_mesh(
+                self._layout, self._global_rank, self._groups, self._device.type, grid
+            )
+        return self._device_meshes[grid]
 
     def get_seed(self, mode: Stream) -> int:
         """Return the seed of ``mode``'s RNG stream on this rank (``mode`` may also be

@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from parallelctx.checkcmd import run
-from parallelctx.cli import check_arguments
-from parallelctx.context import ParallelContext
-from parallelctx.show import render
+from .checkcmd import run
+from .cli import check_arguments
+from .context import ParallelContext
+from .show import render
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,20 +3,29 @@
 One detector per launcher. Each reads only environment variables and returns a
 :class:`LaunchEnv`, or None when its launcher did not start this process; it raises
 :class:`LaunchEnvError` when the variables are there but incomplete or contradict each other.
-:func:`detect` tries them in a fixed order (see its docstring). Nothing here imports torch.
+
+:data:`LAUNCHERS` is the one table of launchers, in detection order: each :class:`Launcher`
+has its detector, the names ``init_dist`` accepts for it, the hint its errors give, and an
+optional rendezvous hook that finds the master address where the launcher gives none (MPI:
+rank 0 broadcasts it with mpi4py). :func:`detect`, ``launch_from_env``, ``init_dist`` and the
+``launch_from_*`` functions all read this table; adding a launcher (PBS, LSF, ...) is one
+detector, one entry and one docs page. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
 from .hostlist import HostlistError, count_hostlist, first_host, tasks_on_node
 from .limits import MAX_WORLD_SIZE
 
 __all__ = [
+    "LAUNCHERS",
+    "Launcher",
     "LaunchEnv",
     "LaunchEnvError",
     "SLURM_PORT_RANGE",
@@ -24,6 +33,9 @@ __all__ = [
     "from_mpi",
     "from_slurm",
     "from_torchrun",
+    "from_env_vars",
+    "free_port",
+    "launcher_named",
     "single_process",
     "slurm_port",
 ]
@@ -33,7 +45,7 @@ class LaunchEnvError(RuntimeError):
     """The environment is missing a variable a launcher must set, or contradicts itself."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchEnv:
     """What a launcher told this process.
 
@@ -182,7 +194,18 @@ def from_torchrun(env: Mapping[str, str] | None = None, required: bool = False) 
         raise LaunchEnvError(f"MASTER_PORT is not set; {TORCHRUN_HINT}")
     _check("torchrun", rank, world, local, local_world, node, nodes,
            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
-    return LaunchEnv("torchrun", rank, world, local, local_world, node, addr, port, nodes, rd.variables())
+    return LaunchEnv(
+        launcher="torchrun",
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        local_world_size=local_world,
+        node_rank=node,
+        master_addr=addr,
+        master_port=port,
+        num_nodes=nodes,
+        variables=rd.variables(),
+    )
 
 
 # --------------------------------------------------------------------------- MPI
@@ -249,7 +272,16 @@ def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> La
         _check(launcher, rank, world, local, local_world, None, None,
                (rank_var, size_var, local_var, local_size_var, "-", "-"))
         _check_other_mpi(rd, launcher, rank, world)
-        return LaunchEnv(launcher, rank, world, local, local_world, None, addr, port, None, rd.variables())
+        return LaunchEnv(
+            launcher=launcher,
+            rank=rank,
+            world_size=world,
+            local_rank=local,
+            local_world_size=local_world,
+            master_addr=addr,
+            master_port=port,
+            variables=rd.variables(),
+        )
     if "PMI_ID" in env and "PMI_PORT" in env:
         raise LaunchEnvError(
             f"PMI_ID={env['PMI_ID']!r} and PMI_PORT are set but not PMI_RANK/PMI_SIZE: mpiexec was "
@@ -362,7 +394,18 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
         if job is None:
             raise LaunchEnvError("neither MASTER_PORT nor SLURM_JOB_ID is set; export MASTER_PORT")
         port = slurm_port(job, step_id)
-    return LaunchEnv("slurm", rank, world, local, local_world, node, addr, port, nodes, rd.variables())
+    return LaunchEnv(
+        launcher="slurm",
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        local_world_size=local_world,
+        node_rank=node,
+        master_addr=addr,
+        master_port=port,
+        num_nodes=nodes,
+        variables=rd.variables(),
+    )
 
 
 # --------------------------------------------------------------------------- detection
@@ -370,13 +413,140 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
 
 def single_process() -> LaunchEnv:
     """Return the environment of a plain ``python train.py``: a world of one."""
-    return LaunchEnv("none", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
+    return LaunchEnv(
+        launcher="none", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1
+    )
+
+
+# --------------------------------------------------------------------------- env:// (no LOCAL_RANK)
+
+ENV_HINT = (
+    "set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on every process (LOCAL_RANK too where "
+    "known), or start the script with torchrun"
+)
+
+
+def from_env_vars(env: Mapping[str, str] | None = None, required: bool = False) -> LaunchEnv | None:
+    """Read the plain ``env://`` variables that launchers such as Kubeflow's PyTorchJob set
+    without LOCAL_RANK: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT. The local rank is then
+    derived at launch from the host names (as for launchers that give none).
+
+    Returns:
+        The :class:`LaunchEnv` (launcher ``"env"``), or None when RANK and WORLD_SIZE are not
+        both set (unless ``required``).
+
+    Raises:
+        LaunchEnvError: a variable is missing, not an integer or out of range; the message names it.
+    """
+    env = os.environ if env is None else env
+    if not required and not ("RANK" in env and "WORLD_SIZE" in env):
+        return None
+    rd = _Reader(env, ENV_HINT)
+    rank, world = rd.req_int("RANK"), rd.req_int("WORLD_SIZE")
+    local = rd.opt_int("LOCAL_RANK")
+    addr, port = _master(rd)
+    _check("env", rank, world, local, None, None, None,
+           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+    if world > 1 and (addr is None or port is None):
+        missing = " and ".join(n for n, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None)
+        raise LaunchEnvError(f"RANK={rank} WORLD_SIZE={world} without {missing}; {ENV_HINT}")
+    return LaunchEnv(
+        launcher="env",
+        rank=rank,
+        world_size=world,
+        local_rank=local,
+        master_addr=addr,
+        master_port=port,
+        variables=rd.variables(),
+    )
+
+
+# --------------------------------------------------------------------------- rendezvous hooks
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port on ``host`` that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _mpi4py_master(found: LaunchEnv) -> tuple[str, int] | None:
+    """Rank 0's host name and a free port of it, broadcast with mpi4py; None without mpi4py."""
+    try:
+        from mpi4py import MPI  # optional dependency
+    except ImportError:
+        return None
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() != found.world_size or comm.Get_rank() != found.rank:
+        raise LaunchEnvError(
+            f"mpi4py sees rank {comm.Get_rank()} of {comm.Get_size()} but the launcher says rank "
+            f"{found.rank} of {found.world_size}: mpi4py is built against another MPI than the one "
+            "that started this job; export MASTER_ADDR and MASTER_PORT instead"
+        )
+    mine = (socket.gethostname(), free_port("")) if found.rank == 0 else None
+    host, port = comm.bcast(mine, root=0)
+    return str(host), int(port)
+
+
+# --------------------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """One launcher parallelctx knows: how to detect it and how its ranks meet.
+
+    ``name`` is the launcher's key (``init_dist`` accepts it and ``aliases``); ``kinds`` are the
+    :attr:`LaunchEnv.launcher` values its detector returns; ``detect(env, required)`` is the
+    detector; ``hint`` tells the user how to start the job; ``rendezvous``, when set, returns
+    ``(host, port)`` (or None when it cannot) for a world whose launcher gave no master address;
+    ``doc`` is its docs page.
+    """
+
+    name: str
+    aliases: tuple[str, ...]
+    kinds: tuple[str, ...]
+    detect: Callable[[Mapping[str, str] | None, bool], LaunchEnv | None]
+    hint: str
+    rendezvous: Callable[[LaunchEnv], tuple[str, int] | None] | None = None
+    doc: str = ""
+
+
+LAUNCHERS: tuple[Launcher, ...] = (
+    Launcher("torchrun", ("pytorch", "torch"), ("torchrun",), from_torchrun, TORCHRUN_HINT, doc="launchers/torchrun.md"),
+    Launcher(
+        "mpi",
+        ("openmpi", "mpich", "mvapich"),
+        ("openmpi", "mpich", "mvapich"),
+        from_mpi,
+        MPI_HINT,
+        rendezvous=_mpi4py_master,
+        doc="launchers/mpi.md",
+    ),
+    Launcher("slurm", (), ("slurm",), from_slurm, SLURM_HINT, doc="launchers/slurm.md"),
+    Launcher("env", ("env://",), ("env",), from_env_vars, ENV_HINT, doc="launchers/README.md"),
+)
+"""Every launcher, in detection order (see :func:`detect`)."""
+
+
+def launcher_named(name: str) -> Launcher:
+    """Return the launcher called ``name`` (its name or an alias, e.g. ``"pytorch"``) or the one
+    whose detector returns that :attr:`LaunchEnv.launcher` (e.g. ``"openmpi"``).
+
+    Raises:
+        ValueError: no launcher has that name; the message lists the valid names.
+    """
+    for launcher in LAUNCHERS:
+        if name == launcher.name or name in launcher.aliases or name in launcher.kinds:
+            return launcher
+    valid = ", ".join(repr(n) for entry in LAUNCHERS for n in (entry.name, *entry.aliases))
+    raise ValueError(f"launcher={name!r} is not one of {valid}")
 
 
 def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Detect which launcher started this process and what it said.
 
-    Checked in this order, the first that applies wins:
+    The entries of :data:`LAUNCHERS` are tried in order, the first that applies wins:
 
     1. torchrun: TORCHELASTIC_RUN_ID, or RANK + WORLD_SIZE + LOCAL_RANK (so torchrun started
        inside srun or sbatch is torchrun, not Slurm);
@@ -384,18 +554,26 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
        (``mpirun`` inside an allocation also sets SLURM_PROCID, with the wrong values);
     3. a Slurm step: SLURM_PROCID with SLURM_STEP_ID (the batch or salloc shell of a job with
        more than one task, which has no SLURM_STEP_ID, is refused: start the script with srun);
-    4. otherwise a world of one.
+    4. plain ``env://`` variables: RANK + WORLD_SIZE without LOCAL_RANK (Kubeflow's PyTorchJob);
+    5. otherwise a world of one, unless WORLD_SIZE says more (then an error: never a silent
+       world of one).
 
     Returns:
         The :class:`LaunchEnv`.
 
     Raises:
-        LaunchEnvError: a launcher's variables are present but incomplete or inconsistent, or
-            this is a Slurm batch shell of a multi-task job.
+        LaunchEnvError: a launcher's variables are present but incomplete or inconsistent, this
+            is a Slurm batch shell of a multi-task job, or WORLD_SIZE > 1 with no launcher.
     """
     env = os.environ if env is None else env
-    for detector in (from_torchrun, from_mpi, from_slurm):
-        found = detector(env)
+    for launcher in LAUNCHERS:
+        found = launcher.detect(env, False)
         if found is not None:
             return found
+    world = env.get("WORLD_SIZE")
+    if world is not None and world.strip() not in ("", "0", "1"):
+        raise LaunchEnvError(
+            f"WORLD_SIZE={world!r} says this process is one of several, but no launcher set its "
+            f"rank (RANK is not set); {ENV_HINT}"
+        )
     return single_process()

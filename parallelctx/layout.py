@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import Iterable
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -205,8 +205,13 @@ class _Grid:
 class Layout:
     """The rank layout of one world: sizes, order string, and the groups of every mode.
 
-    Build it with :func:`plan`, which validates the sizes. Members of every group are listed in
-    ascending global rank; a rank's local rank in a mode is its index in that list.
+    ``Layout(...)`` and :func:`plan` take the same arguments and both validate them (the rules
+    are in :func:`plan`); ``expert_tensor=None`` means the tensor size, and the attribute always
+    holds the resolved int. Members of every group are listed in ascending global rank; a rank's
+    local rank in a mode is its index in that list.
+
+    Raises:
+        LayoutError: sizes or an order string that cannot make a layout (see :func:`plan`).
     """
 
     world_size: int
@@ -214,19 +219,27 @@ class Layout:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
-    expert_tensor: int = 1
+    expert_tensor: int | None = None
     order: str = DEFAULT_ORDER
+    _etp: int = field(init=False, repr=False, compare=False)
     _dense: _Grid = field(init=False, repr=False, compare=False)
     _expert: _Grid = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        sizes = _validated_sizes(
+            self.world_size, self.tensor, self.pipeline, self.context, self.expert, self.expert_tensor
+        )
+        for name, value in zip(("world_size", "tensor", "pipeline", "context", "expert", "expert_tensor"), sizes):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_etp", sizes[-1])
+        _check_axes_named(self)
         tokens = list(parse_order(self.order))
         for token in AXES:
             if token not in tokens:
                 tokens.append(token)
         dense = {"tp": self.tensor, "cp": self.context, "ep": 1, "dp": self.data, "pp": self.pipeline}
         expert = {
-            "tp": self.expert_tensor,
+            "tp": self._etp,
             "cp": 1,
             "ep": self.expert,
             "dp": self.expert_data,
@@ -234,6 +247,7 @@ class Layout:
         }
         object.__setattr__(self, "_dense", _Grid(tuple(tokens), tuple(dense[t] for t in tokens)))
         object.__setattr__(self, "_expert", _Grid(tuple(tokens), tuple(expert[t] for t in tokens)))
+        _check_pipelines_coincide(self)
 
     # ----------------------------------------------------------------------------- sizes
     @property
@@ -244,7 +258,7 @@ class Layout:
     @property
     def expert_data(self) -> int:
         """The expert-data size, ``world_size / (expert_tensor * expert * pipeline)``."""
-        return self.world_size // (self.expert_tensor * self.expert * self.pipeline)
+        return self.world_size // (self._etp * self.expert * self.pipeline)
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -352,7 +366,7 @@ class Layout:
             "cp": self.context,
             "dp": self.data,
             "pp": self.pipeline,
-            "etp": self.expert_tensor,
+            "etp": self._etp,
             "ep": self.expert,
             "edp": self.expert_data,
         }
@@ -412,8 +426,8 @@ class Layout:
             f"world={self.world_size} tp={self.tensor} cp={self.context} dp={self.data} "
             f"pp={self.pipeline}"
         )
-        if self.expert > 1 or self.expert_tensor != self.tensor:
-            text += f" ep={self.expert} etp={self.expert_tensor} edp={self.expert_data}"
+        if self.expert > 1 or self._etp != self.tensor:
+            text += f" ep={self.expert} etp={self._etp} edp={self.expert_data}"
         return text + f" order={self.order}"
 
 
@@ -448,6 +462,13 @@ def plan(
             differ from the dense ones (the rules Megatron-core enforces). The message names the
             values and the fix.
     """
+    return Layout(world_size, tensor, pipeline, context, expert, expert_tensor, order)
+
+
+def _validated_sizes(
+    world_size: Any, tensor: Any, pipeline: Any, context: Any, expert: Any, expert_tensor: Any
+) -> tuple[int, int, int, int, int, int]:
+    """The sizes as plain ints, ``expert_tensor`` resolved; raises LayoutError (see :func:`plan`)."""
     expert_tensor = tensor if expert_tensor is None else expert_tensor
     for name, value in (
         ("world_size", world_size),
@@ -479,15 +500,20 @@ def plan(
             f"{expert_model} does not divide world_size={world_size}; choose expert, expert_tensor "
             f"and pipeline sizes whose product divides the world size"
         )
+    return world_size, tensor, pipeline, context, expert, expert_tensor
+
+
+def _check_axes_named(layout: Layout) -> None:
+    """Raise LayoutError when the order string cannot place the layout's axes (see :func:`plan`)."""
+    order = layout.order
     tokens = parse_order(order)
-    data = world_size // model
-    expert_data = world_size // expert_model
+    data, expert_data = layout.data, layout.expert_data
     needed = {
-        "tp": max(tensor, expert_tensor),
-        "cp": context,
-        "ep": expert,
+        "tp": max(layout.tensor, layout._etp),
+        "cp": layout.context,
+        "ep": layout.expert,
         "dp": max(data, expert_data),
-        "pp": pipeline,
+        "pp": layout.pipeline,
     }
     for token, size in needed.items():
         if size > 1 and token not in tokens:
@@ -495,19 +521,20 @@ def plan(
                 f"order={order!r} leaves out {token!r} but the {_AXIS_NAMES[token]} size is "
                 f"{size}; name every axis of size > 1, e.g. {DEFAULT_ORDER!r}"
             )
-    if tokens[-1] != "pp" and pipeline > 1 and expert_data != data:
+    if tokens[-1] != "pp" and layout.pipeline > 1 and expert_data != data:
         raise LayoutError(
             f"order={order!r} does not end with 'pp', so the expert-data size ({expert_data}) "
             f"must equal the data size ({data}); put 'pp' last or change the expert sizes"
         )
-    layout = Layout(world_size, tensor, pipeline, context, expert, expert_tensor, order)
-    dense_pp = layout._dense.signature(("pp",))
-    expert_pp = layout._expert.signature(("pp",))
-    if pipeline > 1 and dense_pp != expert_pp:
+
+
+def _check_pipelines_coincide(layout: Layout) -> None:
+    """Raise LayoutError when the expert grid puts the pipeline stages elsewhere (see :func:`plan`)."""
+    if layout.pipeline > 1 and layout._dense.signature(("pp",)) != layout._expert.signature(("pp",)):
         raise LayoutError(
-            f"with order={order!r} the expert grid (expert_tensor={expert_tensor}, expert={expert}, "
-            f"expert_data={expert_data}) puts the pipeline stages on other ranks than the dense grid "
-            f"(tensor={tensor}, context={context}, data={data}); make the axes before 'pp' "
-            f"multiply to the same size in both grids, or put 'pp' last"
+            f"with order={layout.order!r} the expert grid (expert_tensor={layout._etp}, "
+            f"expert={layout.expert}, expert_data={layout.expert_data}) puts the pipeline stages on "
+            f"other ranks than the dense grid (tensor={layout.tensor}, context={layout.context}, "
+            f"data={layout.data}); make the axes before 'pp' multiply to the same size in both grids, "
+            f"or put 'pp' last"
         )
-    return layout

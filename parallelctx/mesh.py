@@ -9,7 +9,7 @@ string puts them. Every axis is a dimension, size 1 included:
   TENSOR). With the default order ``"tp-cp-ep-dp-pp"`` the dims are ``("pp", "dp", "cp", "tp")``;
   with ``"tp-pp-dp"`` they are ``("cp", "dp", "pp", "tp")`` (axes the order string does not
   name come slowest; they have size 1).
-* expert mesh (``build_device_mesh(gpc, grid="expert")``): ``pp``, ``edp``, ``ep``, ``etp``
+* expert mesh (``gpc.expert_device_mesh``): ``pp``, ``edp``, ``ep``, ``etp``
   (PIPELINE, EXPERT_DATA, EXPERT, EXPERT_TENSOR), in the same order.
 
 A dimension of size 1 lies on the one-rank group that every size-1 mode shares, so
@@ -21,6 +21,7 @@ coordinate on a dimension equals its local rank in that mode.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +31,6 @@ from .layout import Layout, LayoutError, ParallelMode
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from .context import ParallelContext
 
 __all__ = ["MESH_DIMS", "MeshPlan", "MeshError", "build_device_mesh", "mesh_plan"]
 
@@ -116,19 +115,24 @@ def _through(plan: MeshPlan, dim: int, rank: int) -> list[int]:
     return plan.ranks[tuple(index)].tolist()
 
 
-def build_device_mesh(ctx: ParallelContext, grid: str = "dense") -> DeviceMesh:
-    """Build a ``DeviceMesh`` over ``ctx``'s existing process groups (no group is created).
+def build_device_mesh(
+    layout: Layout,
+    rank: int,
+    groups: Mapping[ParallelMode, Any],
+    device_type: str,
+    grid: str = "dense",
+) -> DeviceMesh:
+    """Build a ``DeviceMesh`` of ``layout``'s ``grid`` over existing process groups (no group is
+    created): ``groups`` maps each mode to this rank's group of it (``gpc``'s table).
 
-    ``gpc.device_mesh`` calls this once with ``grid="dense"`` and keeps the result; the
-    expert mesh (``grid="expert"``) is built anew by each call, from the same groups.
-    Dimension names and the size-1 rules are in the module docstring.
+    ``gpc.device_mesh`` and ``gpc.expert_device_mesh`` call this once each and keep the result.
+    Dimension names and the size-1 rule are in the module docstring.
 
     Returns:
-        A :class:`torch.distributed.device_mesh.DeviceMesh` on ``ctx.device.type`` whose
-        ``mesh[name].get_group()`` is ``ctx.get_group(mode)`` for each dimension.
+        A :class:`torch.distributed.device_mesh.DeviceMesh` on ``device_type`` whose
+        ``mesh[name].get_group()`` is ``groups[mode]`` for each dimension.
 
     Raises:
-        NotLaunchedError: ``ctx`` is not launched.
         LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``.
         MeshError: a mode's process group is missing or its members differ from the mesh's
             slice through this rank (the groups were not made from this layout).
@@ -137,12 +141,10 @@ def build_device_mesh(ctx: ParallelContext, grid: str = "dense") -> DeviceMesh:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    layout = ctx.layout
-    rank = ctx.get_global_rank()
     plan = mesh_plan(layout, grid)
-    groups: list[Any] = []
+    dim_groups: list[Any] = []
     for dim, (name, mode) in enumerate(zip(plan.dim_names, plan.modes)):
-        group = ctx.get_group(mode)
+        group = groups.get(mode)
         if group is None:
             raise MeshError(
                 f"mesh dimension {name!r} ({mode.value}, size {plan.shape[dim]}) has no process "
@@ -156,10 +158,10 @@ def build_device_mesh(ctx: ParallelContext, grid: str = "dense") -> DeviceMesh:
                 f"{name!r} through rank {rank} is {expected}; the groups were not made from "
                 f"layout {layout.describe()}: relaunch with parallelctx.launch"
             )
-        groups.append(group)
+        dim_groups.append(group)
     return DeviceMesh.from_group(
-        groups,
-        ctx.device.type,
+        dim_groups,
+        device_type,
         mesh=torch.as_tensor(plan.ranks, dtype=torch.int),
         mesh_dim_names=plan.dim_names,
     )

@@ -178,14 +178,14 @@ def _suggest(layout: Layout, mode: ParallelMode, nproc_per_node: int) -> str:
                 pipeline=layout.pipeline,
                 context=layout.context,
                 expert=layout.expert,
-                expert_tensor=layout.expert_tensor,
+                expert_tensor=layout.axis_size("etp"),
                 order=order,
             )
         except LayoutError:
             continue
         if not _crossing_modes(other, nproc_per_node):
             return f"order={order!r} keeps every tensor, context and expert-tensor group inside one node"
-    inner = layout.tensor * layout.context if mode is not ParallelMode.EXPERT_TENSOR else layout.expert_tensor
+    inner = layout.tensor * layout.context if mode is not ParallelMode.EXPERT_TENSOR else layout.axis_size("etp")
     return (
         f"put {_TOKEN[mode]!r} first in the order and choose sizes whose product "
         f"(here {inner}) divides nproc_per_node={nproc_per_node}"

@@ -159,12 +159,19 @@ def test_set_seed_rejects_bad_values(launched) -> None:
 
 
 def test_launch_arguments_checked() -> None:
-    with pytest.raises(ValueError, match=r"rank=3 must lie in \[0, world_size=2\)"):
+    with pytest.raises(ValueError, match=r"rank=3 must lie in \[0, world_size-1 = 1\]"):
         parallelctx.launch(rank=3, world_size=2, port=29999)
-    with pytest.raises(ValueError, match="port=None must be an integer in 1..65535"):
+    with pytest.raises(ValueError, match="port=None: a world of 2 needs a rendezvous port"):
         parallelctx.launch(rank=0, world_size=2)
     with pytest.raises(TypeError, match="must be seconds"):
         parallelctx.launch(timeout="5")
+    # wired into launch: no silent truncation or string ranks
+    with pytest.raises(ValueError, match=r"port=2.5 is of type float"):
+        parallelctx.launch(rank=0, world_size=2, port=2.5)
+    with pytest.raises(TypeError, match="rank='0' is of type str"):
+        parallelctx.launch(rank="0", world_size=2, port=29999)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout"):
+        parallelctx.launch(timeout=float("nan"))
     assert not dist.is_initialized()
 
 

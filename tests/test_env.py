@@ -262,7 +262,9 @@ def test_mpi_errors() -> None:
 
 def test_plain_process_is_a_world_of_one() -> None:
     found = detect({"HOME": "/root", "PATH": "/usr/bin"})
-    assert found == LaunchEnv("none", 0, 1, 0, 1, 0, None, None, 1)
+    assert found == LaunchEnv(
+        launcher="none", rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0, num_nodes=1
+    )
     assert found.as_dict()["variables"] == {}
 
 

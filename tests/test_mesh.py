@@ -107,20 +107,6 @@ def _tokens(p: Any, grid: str) -> list[str]:
     return [by_name[name] for name in p.dim_names]
 
 
-class _StubContext:
-    """Just what build_device_mesh reads from gpc, with groups chosen by the test."""
-
-    def __init__(self, layout: Any, rank: int, groups: dict[ParallelMode, Any]) -> None:
-        self.layout, self._rank, self._groups = layout, rank, groups
-        self.device = torch.device("cpu")
-
-    def get_global_rank(self) -> int:
-        return self._rank
-
-    def get_group(self, mode: ParallelMode) -> Any:
-        return self._groups.get(mode)
-
-
 def test_a_group_that_does_not_match_the_mesh_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # rank 3 of W=8, tensor 2, pipeline 2: its tp slice is [2, 3]; pretend torch's group holds [3, 5].
     layout = plan(8, tensor=2, pipeline=2)
@@ -136,13 +122,13 @@ def test_a_group_that_does_not_match_the_mesh_is_refused(monkeypatch: pytest.Mon
     with pytest.raises(
         MeshError, match=r"tensor group of rank 3 holds ranks \[3, 5\].*'tp' through rank 3 is \[2, 3\]"
     ):
-        build_device_mesh(_StubContext(layout, 3, groups))  # type: ignore[arg-type]
+        build_device_mesh(layout, 3, groups, "cpu")
 
 
 def test_a_missing_group_is_refused() -> None:
     layout = plan(8, tensor=2, pipeline=2)
     with pytest.raises(MeshError, match="'pp' \\(pipeline, size 2\\) has no process group on rank 0"):
-        build_device_mesh(_StubContext(layout, 0, {}))  # type: ignore[arg-type]
+        build_device_mesh(layout, 0, {}, "cpu")
 
 
 # --------------------------------------------------------------------------- multi-process
@@ -174,7 +160,7 @@ def _mesh_worker(out_dir: str, expert_mesh: bool) -> None:
     mesh = gpc.device_mesh
     meshes = {"dense": mesh}
     if expert_mesh:
-        meshes["expert"] = build_device_mesh(gpc, grid="expert")
+        meshes["expert"] = gpc.expert_device_mesh
     subs = {(grid, name): m[name] for grid, m in meshes.items() for name in m.mesh_dim_names}
     groups_after = len(_world.pg_map)
     out: dict[str, Any] = {

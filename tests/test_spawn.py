@@ -169,8 +169,8 @@ def test_spawn_two_nodes_over_a_file_url(tmp_path: Path, caplog: pytest.LogCaptu
 
 
 def test_init_dist_rejects_unknown_launcher_and_bad_timeout() -> None:
-    with pytest.raises(ValueError, match="launcher='torchrun' is not one of 'pytorch', 'slurm', 'mpi'"):
-        init_dist("torchrun")
+    with pytest.raises(ValueError, match="launcher='pbs' is not one of 'torchrun', 'pytorch', 'torch', 'mpi'"):
+        init_dist("pbs")
     with pytest.raises(TypeError, match=r"timeout='60' must be seconds .* or a datetime.timedelta"):
         init_dist("pytorch", timeout="60")
     assert not gpc.is_initialized(ParallelMode.GLOBAL)
