@@ -6,14 +6,14 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers bench venv clean
+.PHONY: demo test test-faults test-launchers lint bench venv clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test,bench]'
+	$(PIP) -e '.[test,bench,lint]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -27,6 +27,11 @@ test-faults: $(STAMP)
 
 test-launchers: $(STAMP)
 	$(BIN)/python -m pytest -m launchers -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check parallelctx tests benchmarks examples
+	$(BIN)/ruff format --check parallelctx tests benchmarks examples
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

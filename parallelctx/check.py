@@ -173,7 +173,7 @@ def problems(checks: list[ModeCheck]) -> list[str]:
 
 
 def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
-    """Check the seed properties of design.md §5 on draws gathered from every rank.
+    """Check the seed properties of docs/seeds.md on draws gathered from every rank.
 
     * the default (GLOBAL) stream is the same on the ranks of a tensor group;
     * the TENSOR stream differs within a tensor group and agrees between ranks that differ

@@ -115,6 +115,11 @@ _MODE_AXES: dict[ParallelMode, tuple[str, tuple[str, ...]]] = {
 }
 
 
+_uncovered = set(ParallelMode) - set(_MODE_AXES) - {ParallelMode.EMBEDDING}
+if _uncovered:  # caught at import, so a new mode cannot ship without its axes
+    raise ImportError(f"parallelctx.layout: no axes for modes {sorted(map(str, _uncovered))}; add them to _MODE_AXES")
+
+
 def parse_order(order: str) -> tuple[str, ...]:
     """Return the tokens of an order string, fastest-varying first.
 

@@ -1,7 +1,7 @@
 """Expert parallelism: config forms, hand-worked groups, invariants, errors, CLI, real ranks.
 
 Parity of every expert mode with Megatron-core is in test_megatron_parity.py; here the groups
-are checked against values worked out by hand and against the semantics of design.md §2 (the
+are checked against values worked out by hand and against the semantics of docs/expert.md and docs/layout.md (the
 expert grid re-splits each pipeline stage with the same order string).
 """
 

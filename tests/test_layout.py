@@ -35,7 +35,7 @@ def test_design_example_internlm_order() -> None:
 
 
 def test_default_order_is_reshape_of_arange() -> None:
-    # design.md: the default order is arange(W).reshape(P, D, C, T)
+    # docs/layout.md: the default order is arange(W).reshape(P, D, C, T)
     layout = plan(48, tensor=2, pipeline=3, context=2)
     cube = np.arange(48).reshape(3, layout.data, 2, 2)
     for pp, dp, cp, tp in itertools.product(range(3), range(layout.data), range(2), range(2)):

@@ -36,7 +36,7 @@ def test_default_order_dims_are_pp_dp_cp_tp() -> None:
 def test_internlm_order_puts_data_outermost() -> None:
     p = mesh_plan(plan(8, tensor=2, pipeline=2, order="tp-pp-dp"))
     assert p.dim_names == ("cp", "dp", "pp", "tp")  # axes the order does not name (cp) come slowest
-    assert p.dim_groups(2) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # design.md's "tp-pp-dp" PIPELINE
+    assert p.dim_groups(2) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # docs/layout.md's "tp-pp-dp" PIPELINE
     assert p.dim_groups(1) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
