@@ -261,3 +261,29 @@ def test_migration_doc_lists_every_global_install_sets() -> None:
         assert f"| `{name}` | {source}" in section, name
     for name, mode in bridge.RNG_STREAMS.items():
         assert f"| `{name}`" in section and f"| `{mode.name}` |" in section
+
+
+def test_destroy_hooks_run_first_once_and_their_error_surfaces_after_teardown() -> None:
+    from parallelctx import NotLaunchedError, gpc
+
+    parallelctx.launch({})
+    seen: list[Any] = []
+
+    def hook() -> None:
+        seen.append(gpc.get_world_size(ParallelMode.TENSOR))  # groups still there
+
+    def broken() -> None:
+        raise KeyError("boom")
+
+    gpc.add_destroy_hook(hook)
+    gpc.add_destroy_hook(hook)  # kept once
+    gpc.add_destroy_hook(broken)
+    with pytest.raises(TypeError, match="function of no arguments"):
+        gpc.add_destroy_hook(42)  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match="boom"):
+        gpc.destroy()
+    assert seen == [1]
+    with pytest.raises(NotLaunchedError):  # the teardown happened despite the failing hook
+        gpc.get_global_rank()
+    gpc.destroy()  # hooks were forgotten
+    assert seen == [1]
