@@ -176,8 +176,36 @@ def setup_devicemesh(tensor: int, pipeline: int) -> Built:
     return Built(groups, queries, lambda: _destroy(groups), member_groups=len(groups))
 
 
+def setup_bridge(tensor: int, pipeline: int) -> Built:
+    """parallelctx launched on the existing default group (config, adopt, groups, host count,
+    device, seeds: what ``launch`` does) and ``parallelctx.megatron.install()``, so that
+    Megatron-core's ``parallel_state`` is ready; the groups are those parallel_state holds."""
+    from megatron.core import parallel_state as ps
+
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    gpc.load_config({"parallel": {"tensor": tensor, "pipeline": pipeline}})
+    gpc.init_global_dist(dist.get_rank(), dist.get_world_size())
+    gpc.init_parallel_groups()
+    gpc.detect_num_processes_on_current_node()
+    gpc.set_device()
+    gpc.set_seed()
+    calls = gpc.group_creations + bridge.install()
+    groups = _distinct_groups([getattr(ps, name) for name in sorted(bridge._PRISTINE)
+                               if isinstance(getattr(ps, name), dist.ProcessGroup)])
+    queries = [Query("get_tensor_model_parallel_rank()", "f()", {"f": ps.get_tensor_model_parallel_rank})]
+
+    def teardown() -> None:
+        gpc.destroy()  # uninstalls too
+        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+
+    return Built(groups, queries, teardown, calls=calls, member_groups=len(groups))
+
+
 SETUP: dict[str, Callable[[int, int], Built]] = {
     "parallelctx": setup_parallelctx,
     "megatron": setup_megatron,
     "devicemesh": setup_devicemesh,
+    "bridge": setup_bridge,  # parallelctx + parallelctx.megatron.install(): benchmarks/megatron_bridge.py
 }

@@ -52,7 +52,7 @@ def sizes_for(world: int) -> dict[str, int]:
     return s
 
 
-LIBS = ("parallelctx", "megatron", "devicemesh")
+LIBS = ("parallelctx", "megatron", "devicemesh", "bridge")
 
 
 def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
@@ -60,12 +60,17 @@ def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
     from .peers import count_new_groups
 
     with count_new_groups() as counter:
-        if lib == "parallelctx":
+        if lib in ("parallelctx", "bridge"):
             from parallelctx import gpc
 
             gpc.load_config({"parallel": dict(sizes)})
             gpc.init_global_dist(rank, world)
             gpc.init_parallel_groups()
+            if lib == "bridge":  # + seeds and Megatron-core's parallel_state (benchmarks/megatron_bridge.py)
+                import parallelctx.megatron as bridge
+
+                gpc.set_seed()
+                bridge.install()
         elif lib == "megatron":
             from megatron.core import parallel_state as ps
 
@@ -88,7 +93,7 @@ def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
 
 def _tear_down(lib: str, rank: int) -> None:
     """Undo :func:`_start_up` as far as the next round needs."""
-    if lib == "parallelctx":
+    if lib in ("parallelctx", "bridge"):
         from parallelctx import gpc
 
         gpc.destroy()

@@ -208,6 +208,7 @@ class ParallelContext:
         self._seed: int | None = None
         self._device = torch.device("cpu")
         self._device_meshes: dict[str, Any] = {}
+        self._destroy_hooks: list[Callable[[], None]] = []
         for mode, name in VIEW_NAMES.items():
             setattr(self, name, _Unlaunched(name))
 
@@ -530,10 +531,35 @@ class ParallelContext:
         self._streams = RNGStreams(seeds, cuda=self._device.type == "cuda")
         self._seed = base
 
+    def add_destroy_hook(self, hook: Callable[[], None]) -> None:
+        """Have :meth:`destroy` call ``hook()`` first, while the groups still exist (hooks run
+        last-added first; one hook is kept once however often it is added). The hooks are
+        forgotten by that destroy: add them again after the next launch.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise TypeError(f"add_destroy_hook takes a function of no arguments, not {hook!r}")
+        if hook not in self._destroy_hooks:
+            self._destroy_hooks.append(hook)
+
     def destroy(self) -> None:
-        """Tear down every group parallelctx made (and the default group when it made that),
-        and reset every cached rank, size, seed and the config. ``launch`` works again after.
-        Safe to call twice or before launch."""
+        """Run the destroy hooks (:meth:`add_destroy_hook`), tear down every group parallelctx
+        made (and the default group when it made that), and reset every cached rank, size, seed
+        and the config. ``launch`` works again after. Safe to call twice or before launch.
+
+        Raises:
+            The first exception a hook raised, after the teardown has finished.
+        """
+        failed: BaseException | None = None
+        for hook in reversed(self._destroy_hooks):
+            try:
+                hook()
+            except BaseException as exc:  # every hook runs, and the teardown still happens
+                logger.exception("parallelctx: destroy hook %r failed", hook)
+                failed = failed or exc
+        self._destroy_hooks = []
         try:
             if dist.is_initialized():
                 if self._owns_default_group:
@@ -546,6 +572,8 @@ class ParallelContext:
                             dist.destroy_process_group(g)
         finally:
             self._reset()
+        if failed is not None:
+            raise failed
 
     # ------------------------------------------------------------------ queries (hot path)
     def get_global_rank(self) -> int:

@@ -48,3 +48,17 @@ def test_simulated_sizes_divide_the_world() -> None:
         sizes = sizes_for(world)
         plan(world, **sizes)  # raises if they do not fit
     assert sizes_for(131072) == {"tensor": 8, "pipeline": 16, "context": 2, "expert": 8}
+
+
+def test_megatron_bridge_section_replaces_itself(tmp_path: Path) -> None:
+    """benchmarks.megatron_bridge appends its labelled section once, then replaces it."""
+    from benchmarks.megatron_bridge import END, START, write_section
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nbody\n")
+    write_section(results, "| first |", ["--worlds", "8"])
+    write_section(results, "| second |", ["--worlds", "8"])
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\nbody\n")
+    assert text.count(START) == text.count(END) == 1
+    assert "| second |" in text and "| first |" not in text

@@ -1,0 +1,139 @@
+"""Start-up of Megatron-core's ``parallel_state`` through parallelctx against Megatron's own.
+
+    python -m benchmarks.megatron_bridge [--worlds 8 16] [--repeats 5] [--sim-world 16384]
+
+Compares ``launch + parallelctx.megatron.install()`` (config, adopting the default group,
+parallelctx's groups, host count, seeds, then the groups parallelctx lacks and every
+``parallel_state`` global) with ``initialize_model_parallel(tp, pp)``, both ending with
+``parallel_state`` ready for Megatron-core's layers:
+
+* one torchrun job per world size (tensor 2, pipeline 2 up to 8 ranks and 4 beyond; eager gloo)
+  with :mod:`benchmarks.startup_worker` alternating the two, ``--repeats`` rounds after a
+  warm-up; the ratio is the median over rounds of the bridge's time over Megatron's;
+* one process acting as the last rank of a ``--sim-world`` world with the fake backend
+  (:mod:`benchmarks.simulate`): the per-rank cost when the world is large.
+
+It prints a table and writes it as a labelled section of ``--results`` (default
+benchmarks/RESULTS.md), replacing an earlier one; ``make bench`` rewrites that file without it,
+so run this command after ``make bench``. Timings never decide a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .run import pipeline_for, sim_run, startup_run
+
+HERE = Path(__file__).resolve().parent
+START = "<!-- benchmarks.megatron_bridge: start -->"
+END = "<!-- benchmarks.megatron_bridge: end -->"
+
+
+def _ratio(run: dict[str, Any], key: str) -> tuple[float, float, float]:
+    """(median bridge seconds, median Megatron seconds, median of per-round ratios)."""
+    ours, theirs, ratios = [], [], []
+    for rnd in run["rounds"]:
+        by = {rec["lib"]: rec for rec in rnd}
+        ours.append(by["bridge"][key])
+        theirs.append(by["megatron"][key])
+        ratios.append(by["bridge"][key] / by["megatron"][key])
+    return statistics.median(ours), statistics.median(theirs), statistics.median(ratios)
+
+
+def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]]) -> str:
+    """The markdown section: start-up per world size, then the simulated rank."""
+    lines = [
+        (
+            "| world | layout | launch + install() | initialize_model_parallel | ratio "
+            "| to first collective: ratio | new_group calls / rank (bridge, Megatron) |"
+        ),
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for run in runs:
+        ours, theirs, ratio = _ratio(run, "create_s")
+        _, _, first = _ratio(run, "first_collective_s")
+        last = {rec["lib"]: rec for rec in run["rounds"][-1]}
+        lines.append(
+            f"| {run['world_size']} | tp {run['tensor']} pp {run['pipeline']} | {ours * 1e3:.1f} ms "
+            f"| {theirs * 1e3:.1f} ms | {ratio:.2f} | {first:.2f} "
+            f"| {last['bridge']['calls_max']}, {last['megatron']['calls_max']} |"
+        )
+    if sims:
+        b, m = sims["bridge"], sims["megatron"]
+        lines += [
+            "",
+            (
+                f"Simulated last rank of {b['world_size']:,} ranks (fake backend; tensor {b['sizes']['tensor']}, "
+                f"pipeline {b['sizes']['pipeline']}, context {b['sizes']['context']}, expert {b['sizes']['expert']}):"
+            ),
+            "",
+            "| | start-up per rank | new_group calls | peak Python memory |",
+            "| --- | --- | --- | --- |",
+            (
+                f"| launch + install() | {b['startup_s'] * 1e3:.1f} ms | {b['group_creations']} "
+                f"| {b['peak_bytes'] / 1024:.0f} KiB |"
+            ),
+            (
+                f"| initialize_model_parallel | {m['startup_s'] * 1e3:.1f} ms | {m['group_creations']} "
+                f"| {m['peak_bytes'] / 1024:.0f} KiB |"
+            ),
+            f"| ratio | {b['startup_s'] / m['startup_s']:.4f} | | |",
+        ]
+    return "\n".join(lines)
+
+
+def write_section(results: Path, body: str, argv: list[str]) -> None:
+    """Put ``body`` between this command's markers in ``results`` (replacing, else appending)."""
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    section = (
+        f"{START}\n## Megatron-core on parallelctx: `launch + install()` against `initialize_model_parallel`\n\n"
+        f"Written by `python -m benchmarks.megatron_bridge {' '.join(argv)}` on {now} (load average "
+        f"{load} after the run; {os.cpu_count()} CPU cores, gloo). Start-up from a common barrier to "
+        "`parallel_state` ready (max over ranks, median of rounds; ratio = median of per-round "
+        "ratios, below 1 means parallelctx is faster); Megatron-core runs with "
+        "`create_gloo_process_groups=False`, the setting kindest to it. See the module docstring.\n\n"
+        f"{body}\n{END}\n"
+    )
+    text = results.read_text() if results.exists() else ""
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    results.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the start-up jobs and the simulation, print the table, write the section; return 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[8, 16])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sim-world", type=int, default=16384, help="0 skips the simulation")
+    parser.add_argument("--sim-repeats", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    args = parser.parse_args(argv)
+    args.libs, args.query_calls = "bridge,megatron", 2000
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            print(f"layout: tensor 2, pipeline {pipeline_for(world)}", flush=True)
+            runs.append(startup_run(world, False, args, Path(tmp)))
+    sims = {lib: sim_run(lib, args.sim_world, args) for lib in ("bridge", "megatron")} if args.sim_world else {}
+    body = table(runs, sims)
+    print(body)
+    write_section(args.results, body, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

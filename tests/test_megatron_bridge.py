@@ -1,0 +1,289 @@
+"""``parallelctx.megatron.install()``: Megatron-core's ``parallel_state`` answering from gpc.
+
+One 8-rank spawn (a module-scoped fixture) runs, in the same processes, for each layout below:
+Megatron-core's own ``initialize_model_parallel``, every public getter of ``parallel_state``
+with every combination of its keyword arguments (found with ``inspect``, see
+tests/megatron_workers.py), ``destroy_model_parallel``; then gpc relaunched with the same sizes,
+``install()``, the same getters again, a one-hot all-reduce over the installed groups, and
+``uninstall()`` or ``gpc.destroy()``. Then Megatron-core's tensor-parallel layers, the RNG
+tracker and ``tensor_parallel.checkpoint`` run through the installed state. Answers compare by
+group members, never object identity. megatron-core is part of the test extra: never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from megatron_workers import run
+
+import parallelctx
+from parallelctx import ParallelMode, plan
+from parallelctx.launch import free_port
+
+WORLD = 8
+D = "tp-cp-ep-dp-pp"
+P = "tp-cp-ep-pp-dp"
+CASES: list[dict[str, Any]] = [
+    {"name": "dense", "tp": 2, "pp": 2, "cp": 1, "ep": 1, "etp": 2, "order": D, "uninstall_by": "uninstall"},
+    {"name": "context", "tp": 2, "pp": 2, "cp": 2, "ep": 1, "etp": 2, "order": D},
+    {"name": "expert_etp1", "tp": 2, "pp": 2, "cp": 1, "ep": 2, "etp": 1, "order": D, "uninstall_by": "uninstall"},
+    {"name": "pp_not_last", "tp": 2, "pp": 2, "cp": 1, "ep": 2, "etp": 1, "order": P},
+    {"name": "tp1_context", "tp": 1, "pp": 2, "cp": 2, "ep": 1, "etp": 1, "order": D},
+    {"name": "pp4_virtual", "tp": 1, "pp": 4, "cp": 1, "ep": 1, "etp": 1, "order": D, "vpp": 2},
+    {"name": "tp4_cp2_world", "tp": 4, "pp": 1, "cp": 2, "ep": 2, "etp": 4, "order": P},
+]
+LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "order": D}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from megatron_workers import config
+
+    out = tmp_path_factory.mktemp("megatron_bridge")
+    port = free_port()
+    parallelctx.spawn(
+        run,
+        WORLD,
+        dist_url=f"tcp://127.0.0.1:{port}",
+        args=(str(out), CASES, LAYER_CASE, port),
+        config=config(CASES[0]),
+        backend="gloo",
+        timeout=120,
+        join_timeout=600,
+    )
+    return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def _layout(case: dict[str, Any]) -> Any:
+    return plan(
+        WORLD, tensor=case["tp"], pipeline=case["pp"], context=case["cp"], expert=case["ep"],
+        expert_tensor=case["etp"], order=case["order"],
+    )
+
+
+def _megatron_ranks(case: dict[str, Any], token: str, rank: int) -> list[int]:
+    """The group of ``rank`` for ``token`` from Megatron's pure RankGenerator (dense grid)."""
+    from megatron.core.parallel_state import RankGenerator
+
+    dp = WORLD // (case["tp"] * case["pp"] * case["cp"])
+    gen = RankGenerator(tp=case["tp"], ep=1, dp=dp, pp=case["pp"], cp=case["cp"], order=case["order"], rank_offset=0)
+    return next(g for g in gen.get_ranks(token) if rank in g)
+
+
+def test_getters_are_discovered(records: list[dict[str, Any]]) -> None:
+    getters, excluded = records[0]["getters"], records[0]["excluded"]
+    calls = sum(len(v) for v in getters.values())
+    # every getter the bridge is about, found by inspect rather than listed by hand
+    for name in (
+        "get_tensor_and_data_parallel_group", "get_tensor_and_context_parallel_group",
+        "get_position_embedding_group", "get_amax_reduction_group", "get_data_parallel_group_gloo",
+        "get_expert_data_parallel_group_gloo", "is_pipeline_last_stage", "model_parallel_is_initialized",
+        "get_intra_distributed_optimizer_instance_group", "get_virtual_pipeline_model_parallel_world_size",
+    ):
+        assert name in getters, name
+    assert len(getters) == 62, sorted(getters)  # megatron-core 0.16.1
+    assert calls == 131  # every keyword combination
+    assert set(excluded) >= {"initialize_model_parallel", "destroy_model_parallel", "set_tensor_model_parallel_rank"}
+    assert not any(name.startswith(("get_", "is_", "has_")) and "required" not in why for name, why in excluded.items())
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_every_getter_matches_megatron(records: list[dict[str, Any]], index: int) -> None:
+    for rec in records:
+        found = rec["cases"][index]
+        theirs, ours = found["theirs"], found["ours"]
+        assert set(theirs) == set(ours)
+        wrong = {k: (theirs[k], ours[k]) for k in theirs if theirs[k] != ours[k]}
+        assert not wrong, f"rank {rec['rank']} {CASES[index]['name']}: {len(wrong)} differ: {wrong}"
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_answers_are_the_real_layout(records: list[dict[str, Any]], index: int) -> None:
+    # Two equal mistakes would pass the comparison: tie the answers to the pure layouts.
+    case = CASES[index]
+    layout = _layout(case)
+    for rec in records:
+        r, ours = rec["rank"], rec["cases"][index]["ours"]
+        M = ParallelMode
+        assert ours["get_tensor_model_parallel_group(check_initialized=True)"]["group"] == layout.group_of(M.TENSOR, r)
+        assert ours["get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"][
+            "group"
+        ] == layout.group_of(M.EXPERT_DATA, r)
+        tdc = "get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=True)"
+        assert ours[tdc]["group"] == _megatron_ranks(case, "tp-dp-cp", r)
+        tc = "get_tensor_and_context_parallel_group(check_initialized=True)"
+        assert ours[tc]["group"] == _megatron_ranks(case, "tp-cp", r)
+        first = layout.local_rank(M.PIPELINE, r) == 0
+        assert ours["is_rank_in_position_embedding_group()"] is first
+        assert ours["is_initialized()"] is True and ours["model_parallel_is_initialized()"] is True
+        assert ours["get_virtual_pipeline_model_parallel_world_size()"] == case.get("vpp")
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], index: int) -> None:
+    case = CASES[index]
+    for rec in records:
+        r, proofs = rec["rank"], rec["cases"][index]["proofs"]
+        for token in ("tp-dp-cp", "tp-dp", "tp-cp"):
+            members = _megatron_ranks(case, token, r)
+            assert proofs[token] == [int(i in members) for i in range(WORLD)], (r, token)
+        assert proofs["dp-cp-gloo"] == [int(i in _megatron_ranks(case, "dp-cp", r)) for i in range(WORLD)]
+        if _layout(case).local_rank(ParallelMode.PIPELINE, r) == 0:
+            assert proofs["position-embedding"] == [int(i == r) for i in range(WORLD)]
+        else:
+            assert "position-embedding" not in proofs
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], index: int) -> None:
+    case = CASES[index]
+    layout = _layout(case)
+    for rec in records:
+        r, found = rec["rank"], rec["cases"][index]
+        existing = {tuple(layout.group_of(m, r)) for m in ParallelMode if layout.group_of(m, r)}
+        wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")} - existing
+        expected = len(wanted) + (0 if (r,) in existing else 1)
+        assert found["calls"] == expected, (r, found["calls"], wanted)
+        assert found["made"] == found["calls"]  # torch's registry grew by exactly that
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_uninstall_and_destroy_restore_parallel_state(records: list[dict[str, Any]], index: int) -> None:
+    for rec in records:
+        restored = rec["cases"][index]["restored"]
+        assert restored == {
+            "non_pristine": [],
+            "installed": False,
+            "is_initialized": False,
+            "tracker_is_ours": False,
+            "created_alive": 0,
+        }, (rec["rank"], CASES[index]["name"])
+
+
+def test_megatron_layers_match_serial_torch(records: list[dict[str, Any]]) -> None:
+    for rec in records:
+        diffs = rec["layer_diffs"]
+        assert max(diffs.values()) < 1e-12, (rec["rank"], diffs)
+        layout = _layout(LAYER_CASE)
+        assert rec["layer_tp_group"] == layout.group_of(ParallelMode.TENSOR, rec["rank"])
+
+
+def test_tracker_dropout_differs_across_tensor_ranks_and_agrees_across_replicas(
+    records: list[dict[str, Any]],
+) -> None:
+    layout = _layout(LAYER_CASE)
+    masks = {rec["rank"]: rec["masks"] for rec in records}
+    for r in range(WORLD):
+        for peer in layout.group_of(ParallelMode.TENSOR, r):
+            if peer != r:
+                assert masks[r]["tp"] != masks[peer]["tp"]  # shards drop different elements
+                assert masks[r]["dp"] == masks[peer]["dp"]  # duplicated weights: same
+                assert masks[r]["default"] == masks[peer]["default"]
+        for replica in layout.group_of(ParallelMode.DATA, r):
+            assert masks[r]["tp"] == masks[replica]["tp"]  # data replicas: same shard masks
+    seeds = {tuple(rec["seed_after_manual_seed"]) for rec in records}
+    base = 4321
+    for rec in records:
+        assert rec["seed_after_manual_seed"][1] == base  # model_parallel_cuda_manual_seed re-seeded gpc
+    assert len(seeds) == 2  # two tensor ranks
+
+
+def test_tensor_parallel_checkpoint_recomputes_the_same_masks(records: list[dict[str, Any]]) -> None:
+    for rec in records:
+        ck = rec["checkpoint"]
+        assert ck["calls"] == 3 and ck["masks_equal"], ck
+        assert ck["grad_diff"] == 0.0
+        assert ck["streams_after_equal"]
+        assert "no-such-rng" in rec["unknown_fork"] and "model-parallel-rng" in rec["unknown_fork"]
+
+
+def test_clear_errors(records: list[dict[str, Any]]) -> None:
+    for rec in records:
+        assert "already installed" in rec["install_twice"] and "uninstall()" in rec["install_twice"]
+        assert "launch" in rec["install_before_launch"]
+        assert rec["after_destroy_non_pristine"] == []
+
+
+# --------------------------------------------------------------------------- one process
+def test_missing_megatron_names_the_extra() -> None:
+    code = "import sys; sys.modules['megatron'] = None\nimport parallelctx.megatron"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0
+    assert "pip install 'parallelctx[megatron]'" in done.stderr
+
+
+def test_other_megatron_globals_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron.core import parallel_state as ps
+
+    import parallelctx.megatron as bridge
+
+    bridge.check_megatron_version()
+    monkeypatch.setattr(ps, "_SOME_NEW_GROUP", None, raising=False)
+    with pytest.raises(bridge.MegatronVersionError, match="_SOME_NEW_GROUP"):
+        bridge.check_megatron_version()
+    monkeypatch.delattr(ps, "_SOME_NEW_GROUP")
+    monkeypatch.delattr(ps, "_EMBEDDING_GROUP")
+    with pytest.raises(bridge.MegatronVersionError, match="missing.*_EMBEDDING_GROUP"):
+        bridge.check_megatron_version()
+
+
+def test_world_of_one_install_destroy_and_virtual_pipeline_refusal() -> None:
+    from megatron.core import parallel_state as ps
+
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    parallelctx.launch({"seed": 3})
+    try:
+        with pytest.raises(ValueError, match="virtual_pipeline_model_parallel_size=2 needs a pipeline"):
+            bridge.install(virtual_pipeline_model_parallel_size=2)
+        assert not bridge.is_installed()
+        assert bridge.install() == 0  # everything is the default group of a world of one
+        assert ps.get_data_parallel_world_size() == 1 and ps.is_rank_in_position_embedding_group()
+    finally:
+        gpc.destroy()
+    assert not bridge.is_installed() and not ps.is_initialized()
+    assert all(getattr(ps, n) == f() for n, f in bridge._PRISTINE.items())
+    assert bridge.uninstall() is False
+
+
+def test_migration_doc_lists_every_global_install_sets() -> None:
+    import parallelctx.megatron as bridge
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "migration.md").read_text()
+    section = doc.split("## Keep your Megatron-core model, switch the context", 1)[1]
+    for name, source in bridge.sources().items():
+        assert f"| `{name}` | {source}" in section, name
+    for name, mode in bridge.RNG_STREAMS.items():
+        assert f"| `{name}`" in section and f"| `{mode.name}` |" in section
+
+
+def test_destroy_hooks_run_first_once_and_their_error_surfaces_after_teardown() -> None:
+    from parallelctx import NotLaunchedError, gpc
+
+    parallelctx.launch({})
+    seen: list[Any] = []
+
+    def hook() -> None:
+        seen.append(gpc.get_world_size(ParallelMode.TENSOR))  # groups still there
+
+    def broken() -> None:
+        raise KeyError("boom")
+
+    gpc.add_destroy_hook(hook)
+    gpc.add_destroy_hook(hook)  # kept once
+    gpc.add_destroy_hook(broken)
+    with pytest.raises(TypeError, match="function of no arguments"):
+        gpc.add_destroy_hook(42)  # type: ignore[arg-type]
+    with pytest.raises(KeyError, match="boom"):
+        gpc.destroy()
+    assert seen == [1]
+    with pytest.raises(NotLaunchedError):  # the teardown happened despite the failing hook
+        gpc.get_global_rank()
+    gpc.destroy()  # hooks were forgotten
+    assert seen == [1]
