@@ -183,7 +183,8 @@ def resolve_marker(
             f"config dist.init_method={dist_section['init_method']!r}: the test pool picks the rendezvous; "
             "remove init_method from the config of a parallel test"
         )
-    dist_section.setdefault("timeout", float(timeout))  # collectives give up with the test
+    # collectives give up a minute after the test does, so a hang is reported with its stack first
+    dist_section.setdefault("timeout", float(timeout) + 60.0)
     raw["dist"] = dist_section
     cfg = Config(raw)
     par = cfg.parallel
@@ -380,7 +381,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         )
         kwargs = _arguments(pyfuncitem)
     except ValueError as exc:  # MarkerError, ConfigError and pydantic's ValidationError
-        pytest.fail(f"{pyfuncitem.nodeid}: {exc}", pytrace=False)
+        problem = str(exc)
+    else:
+        problem = ""
+    if problem:
+        pytest.fail(problem, pytrace=False)
     qualname = pyfuncitem.originalname
     if pyfuncitem.cls is not None:
         qualname = f"{pyfuncitem.cls.__qualname__}.{qualname}"
@@ -394,6 +399,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "sys_path": list(sys.path),
         "cwd": str(Path.cwd()),
         "verbose": pyfuncitem.config.get_verbosity(),
+        "tbstyle": pyfuncitem.config.getoption("tbstyle", "auto"),
         "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
     }
     pools: PoolSet = pyfuncitem.config.stash[_POOLS]
@@ -403,7 +409,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         pool = pools.get(world_size)
     except PoolError as exc:
         pools.discard(world_size)
-        pytest.fail(f"could not start a pool of {world_size} ranks: {exc}", pytrace=False)
+        problem = f"could not start a pool of {world_size} ranks: {exc}"
+    if problem:
+        pytest.fail(problem, pytrace=False)
     spec["port"] = pool.port
     try:
         outcome = pool.run(spec, timeout)

@@ -145,24 +145,30 @@ def _exc_type(exc: BaseException) -> tuple[str, str]:
     return cls.__module__, cls.__qualname__
 
 
-def _format_failure(exc: BaseException, func: Any, verbose: int) -> str:
-    """The exception as pytest prints a failure: source lines, ``>`` and ``E`` lines, starting at
-    the test function's frame (the worker's own frames are cut)."""
+def _format_failure(exc: BaseException, func: Any, tbstyle: str) -> str:
+    """The exception as pytest prints a failure for ``--tb=tbstyle``: source lines, ``>`` and
+    ``E`` lines, starting at the test function's frame (the worker's own frames are cut); with
+    ``auto`` the frames between the first and the last are one line each."""
+    import traceback as std_traceback
+
+    if tbstyle == "native":
+        return "".join(std_traceback.format_exception(exc))
     from _pytest._code import ExceptionInfo
+    from _pytest._code.code import Traceback
 
     try:
         info = ExceptionInfo.from_exception(exc)
         code = getattr(func, "__code__", None)
         entries = list(info.traceback)
-        start = next((i for i, e in enumerate(entries) if e.frame.code.raw is code), None)
-        if start is not None:
-            info.traceback = info.traceback[start:]
-        repr_ = info.getrepr(style="long" if verbose >= 0 else "short", funcargs=False, truncate_locals=True)
-        return str(repr_)
+        start = next((i for i, e in enumerate(entries) if e.frame.code.raw is code), 0)
+        cut = Traceback(entries[start:]).filter(info)  # also drops __tracebackhide__ frames
+        if tbstyle == "auto" and len(cut) > 2:
+            cut = Traceback((cut[0], *(e.with_repr_style("short") for e in cut[1:-1]), cut[-1]))
+        info.traceback = cut
+        style = "long" if tbstyle in ("auto", "long") else "short"
+        return str(info.getrepr(style=style, funcargs=False, truncate_locals=True))
     except Exception:  # noqa: BLE001 - pytest internals changed: fall back to the standard format
-        import traceback
-
-        return "".join(traceback.format_exception(exc))
+        return "".join(std_traceback.format_exception(exc))
 
 
 def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -231,7 +237,7 @@ def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
             outcome="failed",
             message=f"{type(exc).__name__}: {exc}",
             exc_type=_exc_type(exc),
-            longrepr=_format_failure(exc, func, spec.get("verbose", 0)),
+            longrepr=_format_failure(exc, func, spec.get("tbstyle", "auto")),
         )
     finally:
         mark = time.perf_counter()
