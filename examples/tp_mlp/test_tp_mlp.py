@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from tp_mlp import ParallelMLP, pipeline_forward_backward, serial_mlp
 
 from parallelctx import ParallelMode, gpc
 from parallelctx.testing import assert_differs_across, assert_same_across, gather_across
-from tp_mlp import ParallelMLP, pipeline_forward_backward, serial_mlp
 
 HIDDEN, FFN, BATCH, P = 8, 16, 4, 0.1
 LAYOUTS = [dict(tensor=1), dict(tensor=2), dict(tensor=4), dict(tensor=2, pipeline=2), dict(pipeline=2)]
