@@ -35,6 +35,7 @@ def gather_across(mode: ParallelMode | str, tensor: torch.Tensor) -> list[torch.
         ValueError: the ranks passed tensors of different shapes or dtypes (the message lists
             each rank's).
     """
+    __tracebackhide__ = True
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"gather_across(mode, tensor) needs a torch.Tensor, got {type(tensor).__name__}")
     group = gpc.get_cpu_group(mode)
@@ -83,6 +84,7 @@ def assert_same_across(
             (global ranks), the largest absolute difference of each, and the group.
         ValueError, TypeError: see :func:`gather_across`.
     """
+    __tracebackhide__ = True  # reports start at the test's line
     parts = gather_across(mode, tensor)
     ranks = gpc.get_ranks_in_group(mode)
     bad = []
@@ -111,6 +113,7 @@ def assert_differs_across(mode: ParallelMode | str, tensor: torch.Tensor, what: 
             ranks that agree and the group.
         ValueError, TypeError: see :func:`gather_across`.
     """
+    __tracebackhide__ = True
     parts = gather_across(mode, tensor)
     ranks = gpc.get_ranks_in_group(mode)
     same: list[list[int]] = []

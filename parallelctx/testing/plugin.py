@@ -341,7 +341,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _arguments(item: pytest.Function) -> dict[str, Any]:
-    names = [n for n in item._fixtureinfo.argnames if n != LAYOUT_ARG]
+    names = list(item._fixtureinfo.argnames)  # parallel_layout only when the test asks for it
     kwargs = {}
     for name in names:
         if name in UNSUPPORTED_FIXTURES:
