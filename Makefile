@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers lint bench venv clean
+.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,11 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# pytest plugin (docs/testing.md): 40 trivial 8-rank tests on the pool vs fresh processes per
+# test; appends a section to benchmarks/RESULTS.md (fresh processes take ~10-30 s per test here)
+bench-plugin: $(STAMP)
+	$(BIN)/python -m benchmarks.plugin_pool --append-results
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

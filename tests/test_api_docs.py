@@ -11,7 +11,8 @@ from parallelctx import ParallelContext
 
 API = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
 MODULES = ["config", "context", "env", "hostlist", "launch", "layout", "seed", "check", "mesh", "groups", "show", "cli",
-           "placement", "picture", "timing", "checkcmd", "megatron"]
+           "placement", "picture", "timing", "checkcmd", "megatron", "testing", "testing.asserts",
+           "testing.pool", "testing.plugin", "testing.report", "testing.worker"]
 
 
 def test_every_exported_name_is_documented() -> None:

@@ -1,23 +1,22 @@
 """Eight real processes on gloo: every (tensor, pipeline) factorisation of 8 in both orders,
-a context-parallel case and an expert case, in the same processes one after another (destroy,
-then launch again). Membership is proven by collectives in the workers (tests/mp_workers.py)
-and compared here with the pure layout.
+a context-parallel case and an expert case, run by parallelctx's pytest plugin on its pool of 8
+processes (gpc destroyed and launched again in the same processes between tests, on the same host
+and port). Membership is proven by collectives on every rank (tests/mp_workers.py); rank 0
+compares what all ranks saw with the pure layout.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import parallelctx
-from parallelctx import ParallelMode, plan
-from parallelctx.launch import free_port
+from parallelctx import NotLaunchedError, ParallelMode, gpc, plan
 
-from mp_workers import case_config, run_cases
+from mp_workers import _record, case_config
 
 WORLD = 8
 FACTORISATIONS = [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if t * p <= WORLD]
@@ -44,33 +43,29 @@ def _layout(case: dict[str, Any]):
     )
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[int, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("mp")
-    port = free_port()
-    # every case after the first relaunches in the same processes on the same host and port
-    parallelctx.spawn(
-        run_cases,
-        nprocs_per_node=WORLD,
-        dist_url=f"tcp://127.0.0.1:{port}",
-        args=(str(out), CASES, port),
-        config=case_config(CASES[0]),
-        join_timeout=600,
-    )
-    found: dict[int, list[dict[str, Any]]] = {}
-    for i in range(len(CASES)):
-        found[i] = [json.loads(Path(out, f"case{i}_rank{r}.json").read_text()) for r in range(WORLD)]
-    return found
+CONFIG = {k: v for k, v in case_config({}).items() if k != "parallel"}  # dist timeout 120, seed, model
 
 
-@pytest.mark.timeout(700)
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[
-    "-".join(f"{k}{v}" for k, v in c.items()) for c in CASES
-])
-def test_groups_proven_by_collectives(results, index: int) -> None:
-    case = CASES[index]
+def _layouts() -> list[dict[str, Any]]:
+    """The marker's layouts: each case with pipeline/expert given as plain sizes."""
+    return [dict(case) for case in CASES]
+
+
+def _results(case: dict[str, Any]) -> list[dict[str, Any]]:
+    """Measure this rank's groups and seeds (mp_workers._record) and gather every rank's record."""
+    records: list[Any] = [None] * WORLD
+    dist.all_gather_object(records, _record(case))
+    return sorted(records, key=lambda r: r["rank"])
+
+
+@pytest.mark.parallel(world_size=WORLD, config=CONFIG, layouts=_layouts())
+def test_groups_proven_by_collectives(parallel_layout: dict[str, Any]) -> None:
+    case = parallel_layout
     layout = _layout(case)
-    for record in results[index]:
+    results = _results(case)
+    if gpc.get_global_rank() != 0:
+        return
+    for record in results:
         rank = record["rank"]
         assert record["case"] == case
         for mode in ParallelMode:
@@ -106,16 +101,15 @@ def test_groups_proven_by_collectives(results, index: int) -> None:
         assert record["local_rank"] == rank
         assert record["config_model"] == 64
     # exactly one rank logs, and it sits on the last pipeline stage
-    loggers = [r["rank"] for r in results[index] if r["rank_for_log"]]
+    loggers = [r["rank"] for r in results if r["rank_for_log"]]
     assert len(loggers) == 1
     assert loggers[0] == layout.group_of(ParallelMode.PIPELINE, loggers[0])[-1]
 
 
-@pytest.mark.timeout(700)
-@pytest.mark.parametrize("index", range(len(CASES)))
-def test_seed_properties_across_ranks(results, index: int) -> None:
-    layout = _layout(CASES[index])
-    every = {e["rank"]: e for e in results[index][0]["seeds_all"]}
+@pytest.mark.parallel(world_size=WORLD, config=CONFIG, layouts=_layouts())
+def test_seed_properties_across_ranks(parallel_layout: dict[str, Any]) -> None:
+    layout = _layout(parallel_layout)
+    every = {e["rank"]: e for e in _record(parallel_layout)["seeds_all"]}
 
     def first(rank: int, mode: ParallelMode) -> tuple[float, ...]:
         return tuple(every[rank]["draws"][mode.value][0])
@@ -139,18 +133,31 @@ def test_seed_properties_across_ranks(results, index: int) -> None:
             assert entry["draws"][mode.value][0] + entry["draws"][mode.value][1] == torch.rand(8, generator=gen).tolist()
 
 
-def test_destroy_then_launch_again(results) -> None:
-    for index in range(1, len(CASES)):
-        for record in results[index]:
-            assert record["after_destroy"] == {"dist_initialized": False, "query_raised": True, "view_raised": True}
+@pytest.mark.parallel(world_size=WORLD, config=CONFIG, tensor=2, pipeline=2)
+def test_destroy_then_launch_again(tmp_path) -> None:
+    # (every test here already runs on gpc launched again in the same processes and port)
+    rank = gpc.get_global_rank()
+    gpc.destroy()
+    assert not dist.is_initialized()
+    with pytest.raises(NotLaunchedError):
+        gpc.get_local_rank(ParallelMode.TENSOR)
+    with pytest.raises(NotLaunchedError):
+        gpc.tensor.rank  # noqa: B018
+    parallelctx.launch(case_config({"tensor": 4}), rank=rank, world_size=WORLD, local_rank=rank,
+                       init_method=f"file://{tmp_path}/rendezvous")
+    assert gpc.get_world_size(ParallelMode.TENSOR) == 4
+    assert _record({"tensor": 4})["modes"]["tensor"]["measured"]["order"] == plan(WORLD, tensor=4).group_of(
+        ParallelMode.TENSOR, rank
+    )
 
 
-def test_group_creations_are_a_small_constant(results) -> None:
+@pytest.mark.parallel(world_size=WORLD, config=CONFIG, layouts=_layouts())
+def test_group_creations_are_a_small_constant(parallel_layout: dict[str, Any]) -> None:
     # one group per distinct multi-rank group this rank is in, never O(world), counted in
     # torch's own registry rather than by parallelctx
-    for index, case in enumerate(CASES):
+    for case in (parallel_layout,):
         layout = _layout(case)
-        for record in results[index]:
+        for record in (_record(case),):
             rank = record["rank"]
             distinct = {
                 layout.signature(m)

@@ -1,0 +1,444 @@
+"""The pytest plugin (entry point ``pytest11: parallelctx``): ``@pytest.mark.parallel`` runs a
+test on N ranks with ``gpc`` launched for a layout, on a pool of processes reused across tests.
+
+Unmarked tests run as usual. A marked test's fixtures are set up in the pytest process; its
+arguments (parametrize values and fixture values that pickle, e.g. ``tmp_path``) are sent to
+every rank of the pool for its world size, where the test function runs. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+__all__ = [
+    "LAYOUT_ARG",
+    "MarkerError",
+    "PoolSet",
+    "layout_id",
+    "resolve_marker",
+]
+
+#: Name of the pseudo-argument that carries one entry of ``layouts=`` (one test id per layout).
+LAYOUT_ARG = "parallel_layout"
+PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "expert_tensor", "order", "data")
+MARKER_KEYS = ("world_size", *PARALLEL_KEYS, "config", "timeout", "layouts")
+DEFAULT_TIMEOUT_S = 180.0
+#: Seconds added to a parallel test's timeout for pytest-timeout, so that the plugin's own
+#: report (with every rank's stack) comes first.
+PYTEST_TIMEOUT_MARGIN_S = 60.0
+#: Fixtures whose value means nothing in another process.
+UNSUPPORTED_FIXTURES = frozenset(
+    {
+        "request",
+        "pytestconfig",
+        "monkeypatch",
+        "capsys",
+        "capsysbinary",
+        "capfd",
+        "capfdbinary",
+        "caplog",
+        "recwarn",
+        "tmp_path_factory",
+        "tmpdir_factory",
+        "record_property",
+        "record_xml_attribute",
+        "record_testsuite_property",
+        "doctest_namespace",
+        "pytester",
+        "testdir",
+        "subtests",
+    }
+)
+_ABBREV = {
+    "world_size": "w",
+    "tensor": "tp",
+    "pipeline": "pp",
+    "context": "cp",
+    "expert": "ep",
+    "expert_tensor": "etp",
+    "data": "dp",
+}
+_POOLS = pytest.StashKey["PoolSet"]()
+
+
+class MarkerError(ValueError):
+    """A ``@pytest.mark.parallel`` marker with a bad argument; the message names it and the fix."""
+
+
+def layout_id(layout: Mapping[str, Any]) -> str:
+    """The test id part for one entry of ``layouts=``: ``w4-tp2-pp2``, ``tp2-order-tp-pp-dp``.
+
+    Returns:
+        The id string.
+    """
+    parts = []
+    for key, value in layout.items():
+        if key == "order":
+            parts.append(f"order-{value}")
+        elif key in _ABBREV:
+            parts.append(f"{_ABBREV[key]}{value}")
+        else:
+            parts.append(f"{key}{value}")
+    return "-".join(parts) or "default"
+
+
+def _read_config(config: Any, test_file: Path) -> dict[str, Any]:
+    """The marker's ``config=`` as a plain dict (a file path is relative to the test file)."""
+    from parallelctx.config import Config
+
+    if config is None:
+        return {}
+    if isinstance(config, Config):
+        return config.to_dict()
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not path.is_absolute() and (test_file.parent / path).exists():
+            path = test_file.parent / path
+        return Config.from_file(path).to_dict()
+    raise MarkerError(f"config={config!r} must be a dict, a Config or a config file path")
+
+
+def _set_size(parallel: dict[str, Any], key: str, value: Any, field: str = "size") -> None:
+    current = parallel.get(key)
+    if isinstance(current, Mapping):
+        parallel[key] = {**current, field: value}
+    elif field == "size":
+        parallel[key] = value
+    else:
+        parallel[key] = {"size": current if current is not None else 1, field: value}
+
+
+def resolve_marker(
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    layout: Mapping[str, Any] | None,
+    test_file: Path,
+    default_timeout: float,
+) -> tuple[int, dict[str, Any], float]:
+    """Turn a marker's arguments (and one ``layouts=`` entry) into what the pool runs.
+
+    Returns:
+        ``(world_size, config dict, timeout seconds)``; the config is validated and its layout
+        fits the world size.
+
+    Raises:
+        MarkerError: an unknown key, a missing or bad ``world_size`` or ``timeout``, a
+            ``dist.init_method`` (the pool picks the rendezvous), or a layout that does not fit.
+        ConfigError, pydantic.ValidationError: a bad ``config=``.
+    """
+    from parallelctx.config import Config
+    from parallelctx.layout import LayoutError, plan
+
+    merged = dict(kwargs)
+    if args:
+        if len(args) > 1 or "world_size" in merged:
+            raise MarkerError(
+                f"@pytest.mark.parallel takes world_size as its only positional argument, got {args}"
+            )
+        merged["world_size"] = args[0]
+    unknown = sorted(set(merged) - set(MARKER_KEYS))
+    if unknown:
+        raise MarkerError(
+            f"@pytest.mark.parallel got unknown arguments {unknown}; valid: {', '.join(MARKER_KEYS)}"
+        )
+    merged.pop("layouts", None)
+    if layout:
+        bad = sorted(set(layout) - {"world_size", *PARALLEL_KEYS})
+        if bad:
+            raise MarkerError(
+                f"a layouts= entry has keys {bad}; each entry takes world_size and {', '.join(PARALLEL_KEYS)}"
+            )
+        merged.update(layout)
+    world_size = merged.get("world_size")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise MarkerError(
+            f"@pytest.mark.parallel needs world_size=<ranks>, a positive int; got {world_size!r}"
+        )
+    timeout = merged.get("timeout", default_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise MarkerError(f"timeout={timeout!r} must be positive seconds, e.g. timeout=60")
+    raw = _read_config(merged.get("config"), test_file)
+    parallel = dict(raw.get("parallel") or {})
+    for key in ("tensor", "pipeline", "context", "expert"):
+        if key in merged:
+            _set_size(parallel, key, merged[key])
+    if "expert_tensor" in merged:
+        _set_size(parallel, "expert", merged["expert_tensor"], field="tensor")
+    for key in ("order", "data"):
+        if key in merged:
+            parallel[key] = merged[key]
+    raw["parallel"] = parallel
+    dist_section = dict(raw.get("dist") or {})
+    if dist_section.get("init_method"):
+        raise MarkerError(
+            f"config dist.init_method={dist_section['init_method']!r}: the test pool picks the rendezvous; "
+            "remove init_method from the config of a parallel test"
+        )
+    # collectives give up a minute after the test does, so a hang is reported with its stack first
+    dist_section.setdefault("timeout", float(timeout) + 60.0)
+    raw["dist"] = dist_section
+    cfg = Config(raw)
+    par = cfg.parallel
+    try:
+        layout_ = plan(
+            world_size,
+            tensor=par.tensor.size,
+            pipeline=par.pipeline.size,
+            context=par.context.size,
+            expert=par.expert.size,
+            expert_tensor=par.expert_tensor,
+            order=par.order,
+        )
+    except LayoutError as exc:
+        raise MarkerError(f"@pytest.mark.parallel(world_size={world_size}, ...): {exc}") from None
+    if par.data is not None and par.data != layout_.data:
+        raise MarkerError(
+            f"data={par.data} but world_size={world_size} leaves data={layout_.data}; drop data"
+        )
+    return world_size, raw, float(timeout)
+
+
+class PoolSet:
+    """The session's pools, one per world size, started on first use and replaced when broken."""
+
+    def __init__(self, devices: str, start_timeout: float) -> None:
+        self.devices = devices
+        self.start_timeout = start_timeout
+        self.pools: dict[int, Any] = {}
+        self.started = 0
+
+    def get(self, world_size: int) -> Any:
+        """Return a live pool of ``world_size`` ranks, starting one if needed.
+
+        Raises:
+            PoolError: a worker could not start.
+        """
+        from .pool import Pool, pick_devices
+
+        pool = self.pools.get(world_size)
+        if pool is not None and not pool.alive():
+            pool.kill()
+            pool = None
+        if pool is None:
+            pool = Pool(world_size, pick_devices(world_size, self.devices), self.start_timeout)
+            self.pools[world_size] = pool
+            self.started += 1
+        return pool
+
+    def discard(self, world_size: int) -> None:
+        """Kill the pool of ``world_size`` ranks (after a hang, a death or a bad teardown)."""
+        pool = self.pools.pop(world_size, None)
+        if pool is not None:
+            pool.kill()
+
+    def close(self) -> None:
+        """Stop every pool."""
+        for world_size in list(self.pools):
+            self.pools.pop(world_size).close()
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Register the ini options ``parallel_timeout``, ``parallel_devices``, ``parallel_start_timeout``."""
+    parser.addini(
+        "parallel_timeout",
+        "seconds a @pytest.mark.parallel test may run before its ranks' "
+        f"stacks are dumped and it fails (default {DEFAULT_TIMEOUT_S:g})",
+        default=str(DEFAULT_TIMEOUT_S),
+    )
+    parser.addini(
+        "parallel_devices",
+        "'auto': nccl with one GPU per rank where every rank has one, else gloo "
+        "on CPU; 'cpu': always gloo on CPU",
+        default="auto",
+    )
+    parser.addini(
+        "parallel_start_timeout",
+        "seconds a pool of worker processes may take to start (default 120)",
+        default="120",
+    )
+
+
+def _ini_float(config: pytest.Config, name: str) -> float:
+    value = config.getini(name)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise pytest.UsageError(f"ini option {name}={value!r} must be a number of seconds") from None
+    if number <= 0:
+        raise pytest.UsageError(f"ini option {name}={value!r} must be positive")
+    return number
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``parallel`` marker and make the session's (empty) pool set."""
+    config.addinivalue_line(
+        "markers",
+        "parallel(world_size, tensor=, pipeline=, context=, expert=, expert_tensor=, order=, config=, "
+        "timeout=, "
+        "layouts=): run the test on world_size ranks with parallelctx's gpc launched (docs/testing.md)",
+    )
+    devices = str(config.getini("parallel_devices")).strip()
+    if devices not in ("auto", "cpu"):
+        raise pytest.UsageError(f"ini option parallel_devices={devices!r} must be 'auto' or 'cpu'")
+    config.stash[_POOLS] = PoolSet(devices, _ini_float(config, "parallel_start_timeout"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Stop the session's pools."""
+    pools = config.stash.get(_POOLS, None)
+    if pools is not None:
+        pools.close()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One test id per entry of the marker's ``layouts=``."""
+    marker = metafunc.definition.get_closest_marker("parallel")
+    if marker is None or "layouts" not in marker.kwargs:
+        return
+    layouts = marker.kwargs["layouts"]
+    if (
+        not isinstance(layouts, (list, tuple))
+        or not layouts
+        or not all(isinstance(x, Mapping) for x in layouts)
+    ):
+        raise MarkerError(
+            f"{metafunc.definition.nodeid}: layouts={layouts!r} must be a non-empty list of dicts, "
+            "e.g. layouts=[dict(tensor=2), dict(tensor=2, pipeline=2)]"
+        )
+    if LAYOUT_ARG not in metafunc.fixturenames:
+        metafunc.fixturenames.append(LAYOUT_ARG)
+    metafunc.parametrize(LAYOUT_ARG, [dict(x) for x in layouts], ids=[layout_id(x) for x in layouts])
+
+
+def _timeout_of(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("parallel")
+    default = _ini_float(item.config, "parallel_timeout")
+    if marker is None:
+        return default
+    timeout = marker.kwargs.get("timeout", default)
+    return float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else default
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give marked tests a pytest-timeout limit above their own, so the plugin's report comes first."""
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        if item.get_closest_marker("parallel") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(_timeout_of(item) + PYTEST_TIMEOUT_MARGIN_S))
+
+
+def _arguments(item: pytest.Function) -> dict[str, Any]:
+    names = list(item._fixtureinfo.argnames)  # parallel_layout only when the test asks for it
+    kwargs = {}
+    for name in names:
+        if name in UNSUPPORTED_FIXTURES:
+            raise MarkerError(
+                f"fixture {name!r} cannot reach the ranks of a parallel test (it belongs to the pytest "
+                "process); docs/testing.md lists the fixtures that work"
+            )
+        value = item.funcargs[name]
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - any pickling error is reported the same way
+            raise MarkerError(
+                f"argument {name!r} of a parallel test does not pickle ({type(exc).__name__}: {exc}); "
+                "every rank "
+                "gets a pickled copy of each argument, so pass plain data"
+            ) from None
+        kwargs[name] = value
+    return kwargs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run a marked test on its pool instead of in this process; leave other tests alone."""
+    marker = pyfuncitem.get_closest_marker("parallel")
+    if marker is None:
+        return None
+    from .report import raise_for
+
+    layout = pyfuncitem.callspec.params.get(LAYOUT_ARG) if hasattr(pyfuncitem, "callspec") else None
+    try:
+        world_size, config, timeout = resolve_marker(
+            marker.args,
+            marker.kwargs,
+            layout,
+            Path(str(pyfuncitem.path)),
+            _ini_float(pyfuncitem.config, "parallel_timeout"),
+        )
+        kwargs = _arguments(pyfuncitem)
+    except ValueError as exc:  # MarkerError, ConfigError and pydantic's ValidationError
+        problem = str(exc)
+    else:
+        problem = ""
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    qualname = pyfuncitem.originalname
+    if pyfuncitem.cls is not None:
+        qualname = f"{pyfuncitem.cls.__qualname__}.{qualname}"
+    spec = {
+        "nodeid": pyfuncitem.nodeid,
+        "module_name": pyfuncitem.module.__name__,
+        "module_file": str(pyfuncitem.module.__file__),
+        "qualname": qualname,
+        "kwargs": kwargs,
+        "config": config,
+        "sys_path": list(sys.path),
+        "cwd": str(Path.cwd()),
+        "verbose": pyfuncitem.config.get_verbosity(),
+        "tbstyle": pyfuncitem.config.getoption("tbstyle", "auto"),
+        "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
+    }
+    pools: PoolSet = pyfuncitem.config.stash[_POOLS]
+    from .pool import PoolError
+
+    try:
+        pool = pools.get(world_size)
+    except PoolError as exc:
+        pools.discard(world_size)
+        problem = f"could not start a pool of {world_size} ranks: {exc}"
+    if problem:
+        pytest.fail(problem, pytrace=False)
+    spec["port"] = pool.port
+    try:
+        outcome = pool.run(spec, timeout)
+    except PoolError:  # a worker died between tests: once more on a fresh pool
+        pools.discard(world_size)
+        pool = pools.get(world_size)
+        spec["port"] = pool.port
+        outcome = pool.run(spec, timeout)
+    except BaseException:  # interrupted (Ctrl-C, pytest-timeout): the pool's state is unknown
+        pools.discard(world_size)
+        raise
+    if not outcome.reusable:
+        pools.discard(world_size)
+    _add_output(pyfuncitem, outcome)
+    raise_for(outcome, timeout, layout_id(layout) if layout else None)
+    return True
+
+
+def _add_output(item: pytest.Function, outcome: Any) -> None:
+    """Each rank's output as report sections (shown for failures), lines prefixed by the rank."""
+    for stream in ("stdout", "stderr"):
+        texts = getattr(outcome, stream)
+        lines = [f"[rank {rank}] {line}" for rank in sorted(texts) for line in texts[rank].splitlines()]
+        if not lines:
+            continue
+        text = "\n".join(lines) + "\n"
+        if item.config.getoption("capture", "fd") == "no":
+            getattr(sys, stream).write(text)
+        else:
+            item.add_report_section("call", stream, text)

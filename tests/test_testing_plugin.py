@@ -1,0 +1,278 @@
+"""The pytest plugin of parallelctx.testing, driven through pytest's own ``pytester``: each test
+writes a small test file, runs pytest on it in this process, and checks the outcome and report.
+
+Pools are 2 or 4 ranks (gloo on CPU); every inner run starts its own pools and stops them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HEADER = """
+import json, os, time
+from pathlib import Path
+import pytest, torch, torch.distributed as dist
+from parallelctx import ParallelMode, gpc
+"""
+
+
+def _durations(xml: Path) -> dict[str, float]:
+    return {case.get("name"): float(case.get("time")) for case in ET.parse(xml).iter("testcase")}
+
+
+def test_pass_parametrize_fixtures_layouts_skip_xfail(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest("""
+import parallelctx
+
+def pytest_configure(config):
+    parallelctx.launch()  # the pytest process has gpc launched (a world of one): nothing may break
+""")
+    pytester.makepyfile(
+        HEADER
+        + """
+@pytest.mark.parallel(world_size=4, tensor=2)
+@pytest.mark.parametrize("hidden", [16, 64])
+def test_params_and_tmp_path(hidden, tmp_path):
+    assert gpc.get_world_size(ParallelMode.GLOBAL) == 4
+    (tmp_path / f"rank{gpc.get_global_rank()}").touch()
+    record = json.dumps([hidden, str(tmp_path), os.getpid()])
+    Path(f"param-{hidden}-{gpc.get_global_rank()}").write_text(record)
+
+@pytest.mark.parallel(world_size=4, layouts=[dict(tensor=2), dict(tensor=2, pipeline=2), dict(pipeline=4),
+                                             dict(world_size=2, tensor=2)])
+def test_layouts():
+    Path(f"layout-{gpc.get_world_size('global')}-{gpc.get_world_size('tensor')}-"
+         f"{gpc.get_world_size('pipeline')}-{gpc.get_global_rank()}").touch()
+
+@pytest.mark.parallel(4, config={"parallel": {"tensor": 4}, "model": {"hidden": 32}, "seed": 7})
+def test_config_dict_and_positional_world_size():
+    assert gpc.get_world_size("tensor") == 4 and gpc.config.model.hidden == 32
+    assert gpc.config.seed == 7
+
+class TestInAClass:
+    @pytest.mark.parallel(world_size=2)
+    def test_method(self):
+        assert gpc.get_world_size("data") == 2
+
+@pytest.mark.parallel(world_size=2)
+def test_skip():
+    if gpc.get_global_rank() >= 0:
+        pytest.skip("no kernel for this layout")
+
+@pytest.mark.xfail(reason="known bug", raises=AssertionError, strict=True)
+@pytest.mark.parallel(world_size=2)
+def test_xfail_marker():
+    assert gpc.get_global_rank() == 99
+
+@pytest.mark.xfail(raises=ZeroDivisionError, strict=True)
+@pytest.mark.parallel(world_size=2)
+def test_xfail_wrong_exception_fails():
+    assert False
+
+@pytest.mark.parallel(world_size=2)
+def test_imperative_xfail():
+    pytest.xfail("not yet")
+
+def test_controller_gpc_untouched():
+    assert gpc.get_world_size("global") == 1
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-v", "-rs")
+    result.assert_outcomes(passed=9, skipped=1, xfailed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*test_params_and_tmp_path[[]16[]] PASSED*",
+            "*test_layouts[[]tp2[]] PASSED*",
+            "*test_layouts[[]tp2-pp2[]] PASSED*",
+            "*test_layouts[[]pp4[]] PASSED*",
+            "*test_layouts[[]w2-tp2[]] PASSED*",
+            "*TestInAClass::test_method PASSED*",
+            "*test_xfail_wrong_exception_fails FAILED*",
+            "SKIPPED [[]1[]] test_pass_parametrize_*.py:*: no kernel for this layout",
+        ]
+    )
+    # parametrize values and the same tmp_path reached every rank; one pool served both tests
+    seen = [json.loads(p.read_text()) for p in sorted(pytester.path.glob("param-*"))]
+    assert sorted(h for h, _, _ in seen) == [16] * 4 + [64] * 4
+    for hidden in (16, 64):
+        paths = {path for h, path, _ in seen if h == hidden}
+        assert len(paths) == 1, "every rank got the same tmp_path"
+        assert sorted(p.name for p in Path(paths.pop()).iterdir()) == ["rank0", "rank1", "rank2", "rank3"]
+    assert len({pid for _, _, pid in seen}) == 4, "the second test ran in the same 4 processes"
+    layouts = {p.name.rsplit("-", 1)[0] for p in pytester.path.glob("layout-*")}
+    assert layouts == {"layout-4-2-1", "layout-4-2-2", "layout-4-1-4", "layout-2-2-1"}
+
+
+def test_failure_on_one_rank_names_it_with_introspection_and_output(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        HEADER
+        + """
+@pytest.mark.parallel(world_size=4, tensor=2)
+def test_one_rank_fails():
+    print("hello from", gpc.get_global_rank())
+    got = {"rank": gpc.get_global_rank(), "size": 2}
+    if gpc.get_global_rank() == 2:
+        assert got == {"rank": 2, "size": 3}
+
+@pytest.mark.parallel(world_size=4)
+def test_two_ranks_same_traceback():
+    if gpc.get_global_rank() in (1, 3):
+        raise ValueError("bad shard")
+
+@pytest.mark.parallel(world_size=4)
+def test_next_test_passes_on_the_same_pool():
+    Path(f"pid-{gpc.get_global_rank()}").write_text(str(os.getpid()))
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_one_rank_fails _*",
+            "rank 2 of 4 failed: AssertionError: assert *",
+            "(ranks 0, 1, 3 passed)",
+            "*_ rank 2 _*",
+            "*def test_one_rank_fails():",
+            '>*assert got == {"rank": 2, "size": 3}',
+            "E*AssertionError: assert {'rank': 2, 'size': 2} == {'rank': 2, 'size': 3}",
+            "E*Differing items:",
+            "E*{'size': 2} != {'size': 3}",
+            "*Captured stdout call*",
+            "[[]rank 0[]] hello from 0",
+            "[[]rank 3[]] hello from 3",
+            "*_ test_two_ranks_same_traceback _*",
+            "ranks 1, 3 of 4 failed: ValueError: bad shard",
+            "(ranks 0, 2 passed)",
+            "*_ ranks 1, 3 _*",
+            "E*ValueError: bad shard",
+        ]
+    )
+    shown = [line for line in result.stdout.lines if line.startswith("E") and "ValueError: bad shard" in line]
+    assert len(shown) == 1, "one traceback for two ranks"
+
+
+def test_hang_fails_within_timeout_with_every_stack_and_a_fresh_pool(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        HEADER
+        + """
+@pytest.mark.parallel(world_size=2)
+def test_warm():
+    Path(f"before-{gpc.get_global_rank()}").write_text(str(os.getpid()))
+
+@pytest.mark.parallel(world_size=2, timeout=3)
+def test_hangs():
+    if gpc.get_global_rank() == 0:
+        time.sleep(600)        # rank 0 never reaches the barrier
+    dist.barrier()
+
+@pytest.mark.parallel(world_size=2)
+def test_after():
+    Path(f"after-{gpc.get_global_rank()}").write_text(str(os.getpid()))
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", f"--junitxml={pytester.path / 'out.xml'}")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "timed out after 3 s: ranks 0, 1 of 2 did not finish; each one's Python stack is below",
+            "(the pool of processes was replaced; the next test runs on fresh ones)",
+            "*_ stack of rank 0 _*",
+            '*File "*test_hang_fails_within_timeout*.py", line 13 in test_hangs',
+            "*_ stack of rank 1 _*",
+            '*File "*distributed_c10d.py", line * in barrier',
+            '*File "*test_hang_fails_within_timeout*.py", line 14 in test_hangs',
+        ]
+    )
+    assert _durations(pytester.path / "out.xml")["test_hangs"] < 3 + 10
+    before = {p.read_text() for p in pytester.path.glob("before-*")}
+    after = {p.read_text() for p in pytester.path.glob("after-*")}
+    assert len(before) == len(after) == 2 and not before & after, "the hung pool was replaced"
+
+
+def test_a_killed_worker_is_replaced(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        HEADER
+        + """
+import signal
+
+@pytest.mark.parallel(world_size=2)
+def test_first():
+    Path(f"first-{gpc.get_global_rank()}").write_text(str(os.getpid()))
+
+def test_kill_rank_1_between_tests():
+    os.kill(int(Path("first-1").read_text()), signal.SIGKILL)
+    time.sleep(0.5)
+
+@pytest.mark.parallel(world_size=2)
+def test_still_passes():
+    Path(f"second-{gpc.get_global_rank()}").write_text(str(os.getpid()))
+
+@pytest.mark.parallel(world_size=2)
+def test_rank_dies_mid_test():
+    if gpc.get_global_rank() == 1:
+        os._exit(7)
+    dist.barrier()
+
+@pytest.mark.parallel(world_size=2)
+def test_passes_after_a_death():
+    pass
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4, failed=1)
+    # rank 0 either fails in the barrier (gloo sees the peer gone) or is still waiting there (stack shown)
+    result.stdout.fnmatch_lines(["*rank 1 of 2 died during the test (rank 1 exited with code 7)*"])
+    out = result.stdout.str()
+    assert "rank 0 of 2 failed: RuntimeError" in out or "stack of rank 0" in out
+    first = {p.read_text() for p in pytester.path.glob("first-*")}
+    second = {p.read_text() for p in pytester.path.glob("second-*")}
+    assert len(second) == 2 and not first & second
+
+
+def test_bad_markers_fail_with_the_fix(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        HEADER
+        + """
+@pytest.mark.parallel(world_size=4, tensr=2)
+def test_unknown_key():
+    pass
+
+@pytest.mark.parallel(world_size=4, tensor=3)
+def test_layout_does_not_fit():
+    pass
+
+@pytest.mark.parallel(tensor=2)
+def test_no_world_size():
+    pass
+
+@pytest.mark.parallel(world_size=2)
+def test_monkeypatch(monkeypatch):
+    pass
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("value", [lambda: 1])
+def test_unpicklable(value):
+    pass
+"""
+    )
+    begin = time.monotonic()
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=5)
+    assert "During handling" not in result.stdout.str()
+    assert time.monotonic() - begin < 20, "no pool is started for a bad marker"
+    result.stdout.fnmatch_lines_random(
+        [
+            "*got unknown arguments [[]'tensr'[]]; valid: world_size, tensor, *",
+            "*world_size=4*tensor=3*",
+            "*needs world_size=<ranks>, a positive int; got None*",
+            "*fixture 'monkeypatch' cannot reach the ranks of a parallel test*",
+            "*argument 'value' of a parallel test does not pickle*",
+        ]
+    )
