@@ -14,8 +14,8 @@ parallelctx's groups, host count, seeds, then the groups parallelctx lacks and e
   (:mod:`benchmarks.simulate`): the per-rank cost when the world is large.
 
 It prints a table and writes it as a labelled section of ``--results`` (default
-benchmarks/RESULTS.md), replacing an earlier one; ``make bench`` rewrites that file without it,
-so run this command after ``make bench``. Timings never decide a test.
+benchmarks/RESULTS.md), replacing an earlier one; ``make bench`` keeps the section when it
+rewrites the file. Timings never decide a test.
 """
 
 from __future__ import annotations

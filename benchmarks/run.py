@@ -12,6 +12,7 @@ each (:mod:`benchmarks.startup_worker`); then simulates one rank of huge worlds
 from __future__ import annotations
 
 import argparse
+import re
 import datetime
 import importlib.util
 import json
@@ -184,7 +185,18 @@ slower and noisier). How the numbers are made and what they mean:
   `plan` plus `group_array` of every mode for the whole world; converting every group to Python
   lists is timed apart.
 """
-    (out_dir / "RESULTS.md").write_text(text)
+    path = out_dir / "RESULTS.md"
+    kept = kept_sections(path.read_text() if path.is_file() else "")
+    path.write_text(text + "".join("\n" + section + "\n" for section in kept))
+
+
+_SECTION = re.compile(r"<!-- (benchmarks\.[a-z_]+): start -->.*?<!-- \1: end -->", re.S)
+
+
+def kept_sections(text: str) -> list[str]:
+    """Return the sections other benchmark commands wrote into RESULTS.md (between their
+    ``<!-- benchmarks.NAME: start -->`` and ``end`` markers), so a full run keeps them."""
+    return [m.group(0) for m in _SECTION.finditer(text)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,8 +4,8 @@ On 3.11 ``EnumType`` defines ``__getattr__``, which routes every class attribute
 a slow generic hook (about 70-90 ns for ``ParallelMode.TENSOR``, more than the query it feeds).
 Python 3.12 removed that method; there this module changes nothing.
 
-On 3.11 an enum built with a metaclass made by :func:`fast_enum_type` is switched, once built,
-by :func:`speed_up`: its metaclass then reads attributes with ``object.__getattribute__`` (the
+On 3.11 an enum built with its own subclass of :class:`FastEnumType` as metaclass is switched,
+once built, by :func:`speed_up`: its metaclass then reads attributes with ``object.__getattribute__`` (the
 C fast path: the metaclass's data descriptors, then the class's own ``__dict__``, where the
 members live) and falls back to the full ``type.__getattribute__`` for everything else. Names
 of the class's own ``__dict__`` that the fast path would return unbound (classmethods) are
@@ -21,41 +21,44 @@ import sys
 from enum import EnumType
 from typing import Any
 
-__all__ = ["fast_enum_type", "speed_up"]
+__all__ = ["FastEnumType", "speed_up"]
 
 _FAST = sys.version_info < (3, 12)
 
 
-def fast_enum_type(name: str) -> type:
-    """Return a new metaclass, a subclass of ``EnumType``, for one enum that :func:`speed_up`
-    will switch to fast member lookups (one metaclass per enum, so nothing else is affected)."""
+class FastEnumType(EnumType):
+    """Base of a metaclass for one enum that :func:`speed_up` switches to fast member lookups.
 
-    def __getattr__(cls: Any, attr: str) -> Any:  # noqa: N807
-        try:
-            return type.__getattribute__(cls, attr)
-        except AttributeError:
-            return EnumType.__getattr__(cls, attr)  # type: ignore[attr-defined]
+    Give each such enum a subclass of its own (``class _ModeType(FastEnumType): pass``), so
+    switching it affects nothing else.
+    """
 
-    namespace: dict[str, Any] = {"__getattr__": __getattr__} if _FAST else {}
-    return type(name, (EnumType,), namespace)
+    if _FAST:
+
+        def __getattr__(cls, attr: str) -> Any:
+            try:
+                return type.__getattribute__(cls, attr)
+            except AttributeError:
+                return EnumType.__getattr__(cls, attr)  # type: ignore[attr-defined]
 
 
 def speed_up(cls: Any) -> Any:
-    """Switch ``cls`` (built with a metaclass from :func:`fast_enum_type`) to fast member
-    lookups; a no-op on Python 3.12 and later.
+    """Switch ``cls`` (built with its own subclass of :class:`FastEnumType` as metaclass) to fast
+    member lookups; a no-op on Python 3.12 and later.
 
     Returns:
         ``cls``.
 
     Raises:
-        TypeError: ``cls``'s metaclass is not one :func:`fast_enum_type` made for it alone.
+        TypeError: ``cls``'s metaclass is not a subclass of FastEnumType of its own.
     """
     if not _FAST:
         return cls
     meta = type(cls)
-    if "__getattr__" not in vars(meta) or type.__subclasses__(meta):
-        raise TypeError(f"{cls.__name__}'s metaclass must come from fast_enum_type() and serve it alone")
-    names = {n for k in (*cls.__mro__, *meta.__mro__) for n in vars(k)}
+    if not issubclass(meta, FastEnumType) or meta is FastEnumType or type.__subclasses__(meta):
+        raise TypeError(f"{cls.__name__}'s metaclass must be a subclass of FastEnumType of its own")
+    classes: list[type] = [*cls.__mro__, *type.mro(meta)]
+    names = {n for k in classes for n in vars(k)}
     fixes: dict[str, Any] = {}
     for name in names:
         if name.startswith("__") and name.endswith("__"):

@@ -123,10 +123,10 @@ def run_checks(
         mode = ParallelMode(check.mode)
         timing = None
         if mode in same:
-            source = same[mode] or mode
-            timing = summarise(layout, source, timings, sizes, slow_factor)
+            twin = same[mode]
+            timing = summarise(layout, twin or mode, timings, sizes, slow_factor)
             timing.mode = mode.value
-            timing.same_as = None if same[mode] is None else same[mode].value
+            timing.same_as = None if twin is None else twin.value
         _, widest, _ = span_of_groups(layout.group_array(mode), hosts)
         report.modes.append(ModeReport(check, widest, timing))
     report.seconds = time.perf_counter() - begin

@@ -47,13 +47,15 @@ def _parallel(args: argparse.Namespace) -> ParallelConfig:
         value = getattr(args, key)
         if value is not None:
             sizes[key] = value
-    return ParallelConfig(
-        tensor=sizes["tensor"],
-        pipeline=sizes["pipeline"],
-        context=sizes["context"],
-        expert={"size": sizes["expert"], "tensor": sizes["expert_tensor"]},
-        order=sizes["order"],
-        data=data,
+    return ParallelConfig.model_validate(
+        {
+            "tensor": sizes["tensor"],
+            "pipeline": sizes["pipeline"],
+            "context": sizes["context"],
+            "expert": {"size": sizes["expert"], "tensor": sizes["expert_tensor"]},
+            "order": sizes["order"],
+            "data": data,
+        }
     )
 
 
@@ -157,9 +159,9 @@ def _cmd_env(args: argparse.Namespace) -> int:
         json.dump(info, sys.stdout)
         sys.stdout.write("\n")
         return 0
-    variables = info.pop("variables")
+    info.pop("variables")
     rows = [(key, "-" if value is None else str(value)) for key, value in info.items()]
-    rows += [(name, value) for name, value in variables.items()]  # type: ignore[union-attr]
+    rows += list(found.variables)
     width = max(len(key) for key, _ in rows)
     sys.stdout.write(f"{'field':<{width}}  value\n{'-' * width}  {'-' * 5}\n")
     for i, (key, value) in enumerate(rows):

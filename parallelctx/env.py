@@ -96,8 +96,8 @@ class _Reader:
         """Return (name, value) of the first of ``names`` that is set and not empty."""
         for name in names:
             value = self.get(name)
-            if value not in (None, ""):
-                return name, value  # type: ignore[return-value]
+            if value is not None and value != "":
+                return name, value
         return None
 
     def req_int(self, *names: str) -> int:

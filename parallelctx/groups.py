@@ -203,7 +203,9 @@ def _one_rank_group(
             if row[0] == rank:
                 group, cpu_group = g, c
         per_row = 1 if cpu_backend is None else 2
-        return ModeGroup(members, group, cpu_group), per_row * len(rows)  # type: ignore[arg-type]
+        if group is None or cpu_group is None:
+            raise RuntimeError(f"rank {rank} is outside the world of {layout.world_size}: no one-rank group made")
+        return ModeGroup(members, group, cpu_group), per_row * len(rows)
     group = _local_group(members, timeout, None, "parallelctx_self", used)
     cpu_group = group
     if cpu_backend is not None:
@@ -251,6 +253,8 @@ def _create(
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
     default_group = dist.group.WORLD
+    if default_group is None:
+        raise RuntimeError("torch.distributed has no default group: call gpc.init_global_dist() first")
     cpu_world = default_group
     calls = 0
     blocker = local_sync_blocker() if layout.world_size > 1 else None

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from ._fastenum import fast_enum_type, speed_up
+from ._fastenum import FastEnumType, speed_up
 from .limits import MAX_WORLD_SIZE
 
 __all__ = [
@@ -56,7 +56,11 @@ class LayoutError(ValueError):
     """A layout that cannot be built: bad sizes, a bad order string or an unknown mode."""
 
 
-class ParallelMode(str, Enum, metaclass=fast_enum_type("ParallelModeType")):
+class _ParallelModeType(FastEnumType):
+    """The metaclass of :class:`ParallelMode` alone (see :mod:`parallelctx._fastenum`)."""
+
+
+class ParallelMode(str, Enum, metaclass=_ParallelModeType):
     """The parallel modes. A plain string such as ``"tensor"`` is accepted wherever a mode is."""
 
     GLOBAL = "global"

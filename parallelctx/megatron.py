@@ -159,7 +159,7 @@ check_megatron_version()
 
 
 # --------------------------------------------------------------------------- RNG tracker
-class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):  # type: ignore[misc]
+class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
     """Megatron's RNG tracker interface on gpc's per-mode streams (CPU and CUDA generators).
 
     ``fork(name)`` enters the gpc stream :data:`RNG_STREAMS` maps ``name`` to (default:

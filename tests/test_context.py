@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 from datetime import timedelta
 
 import pytest
@@ -15,12 +16,8 @@ from parallelctx.context import resolve_backend
 
 
 @pytest.fixture
-def launched() -> Iterator[parallelctx.ParallelContext]:
-    parallelctx.launch({"model": {"hidden_size": 8}, "seed": 7})
-    try:
-        yield gpc
-    finally:
-        gpc.destroy()
+def launched(world_of_one: Any) -> parallelctx.ParallelContext:
+    return world_of_one({"model": {"hidden_size": 8}, "seed": 7})
 
 
 QUERIES = [

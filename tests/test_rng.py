@@ -29,12 +29,8 @@ M = ParallelMode
 
 
 @pytest.fixture
-def launched() -> Iterator[None]:
-    parallelctx.launch({"parallel": {"tensor": 1}, "seed": 77})
-    try:
-        yield
-    finally:
-        gpc.destroy()
+def launched(world_of_one: Any) -> None:
+    world_of_one({"parallel": {"tensor": 1}, "seed": 77})
 
 
 # ----------------------------------------------------------------------------- checkpoint

@@ -26,16 +26,10 @@ from parallelctx.check import probe_groups, problems, verify
 from parallelctx.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")
-
 
 @pytest.fixture(autouse=True)
-def no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_")) or key in LAUNCHER_VARS:
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+def no_launcher_env(clean_launcher_env: pytest.MonkeyPatch) -> None:
+    """Every test here starts from an environment without launcher variables."""
 
 
 # ----------------------------------------------------------------------------- workers

@@ -370,7 +370,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         return None
     from .report import raise_for
 
-    layout = pyfuncitem.callspec.params.get(LAYOUT_ARG) if hasattr(pyfuncitem, "callspec") else None
+    found = pyfuncitem.callspec.params.get(LAYOUT_ARG) if hasattr(pyfuncitem, "callspec") else None
+    layout: Mapping[str, Any] | None = found if isinstance(found, Mapping) else None
     try:
         world_size, config, timeout = resolve_marker(
             marker.args,

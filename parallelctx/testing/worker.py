@@ -24,7 +24,7 @@ import time
 import types
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 __all__ = ["main", "run_test"]
 
@@ -39,12 +39,12 @@ def _hold_groups() -> None:
     their destructors run after the result has gone out."""
     import torch.distributed as dist
 
-    from parallelctx import gpc
+    from ..context import gpc
 
     _RELEASE_LATER.extend(gpc._groups.values())
     _RELEASE_LATER.extend(gpc._cpu_groups.values())
     _RELEASE_LATER.extend(gpc._views.values())
-    _RELEASE_LATER.append(gpc._device_mesh)
+    _RELEASE_LATER.extend(gpc._device_meshes.values())
     if dist.is_initialized():
         _RELEASE_LATER.append(dist.group.WORLD)
 
@@ -66,7 +66,7 @@ def _install_reprcompare(verbose: int) -> None:
     def reprcompare(op: str, left: object, right: object) -> str | None:
         try:
             lines = list(
-                util.assertrepr_compare(  # type: ignore[call-arg]
+                util.assertrepr_compare(  # type: ignore[call-arg,unused-ignore]
                     op=op,
                     left=left,
                     right=right,
@@ -165,7 +165,7 @@ def _format_failure(exc: BaseException, func: Any, tbstyle: str) -> str:
         if tbstyle == "auto" and len(cut) > 2:
             cut = Traceback((cut[0], *(e.with_repr_style("short") for e in cut[1:-1]), cut[-1]))
         info.traceback = cut
-        style = "long" if tbstyle in ("auto", "long") else "short"
+        style: Literal["long", "short"] = "long" if tbstyle in ("auto", "long") else "short"
         return str(info.getrepr(style=style, funcargs=False, truncate_locals=True))
     except Exception:  # noqa: BLE001 - pytest internals changed: fall back to the standard format
         return "".join(std_traceback.format_exception(exc))
@@ -182,8 +182,8 @@ def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
     """
     from _pytest.outcomes import Skipped, XFailed
 
-    import parallelctx
-    from parallelctx import gpc
+    from ..context import gpc
+    from ..launch import launch
 
     result: dict[str, Any] = {
         "rank": rank,
@@ -213,7 +213,7 @@ def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         if lazy:
             os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
         try:
-            parallelctx.launch(
+            launch(
                 spec["config"],
                 rank=rank,
                 world_size=world_size,
