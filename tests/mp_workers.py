@@ -17,22 +17,11 @@ import torch.distributed as dist
 import parallelctx
 from parallelctx import NotLaunchedError, ParallelMode, gpc
 from parallelctx.launch import free_port
+from probes import probe_group
 
 
 def _measure_group(group: Any, world: int, rank: int) -> dict[str, Any]:
-    onehot = torch.zeros(world, dtype=torch.int64)
-    onehot[rank] = 1
-    dist.all_reduce(onehot, group=group)
-    size = dist.get_world_size(group)
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(gathered, torch.tensor([rank]), group=group)
-    backend = group._get_backend(torch.device("cpu"))
-    return {
-        "timeout": backend.options._timeout.total_seconds(),
-        "sum": onehot.tolist(),
-        "order": [int(t.item()) for t in gathered],
-        "group_rank": dist.get_rank(group),
-    }
+    return probe_group(group, world, rank)
 
 
 def _record(case: dict[str, Any]) -> dict[str, Any]:

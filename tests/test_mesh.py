@@ -20,6 +20,7 @@ import torch.distributed as dist
 import parallelctx
 from parallelctx import LayoutError, ParallelMode, gpc, plan
 from parallelctx.mesh import MESH_DIMS, MeshError, build_device_mesh, mesh_plan
+from probes import probe_group
 
 JOIN_TIMEOUT = 240.0
 
@@ -133,14 +134,9 @@ def test_a_missing_group_is_refused() -> None:
 
 # --------------------------------------------------------------------------- multi-process
 def _probe(group: Any, world: int, rank: int) -> tuple[list[int], list[int]]:
-    """Members of ``group`` by an all-reduce of one-hot vectors, and their group-rank order."""
-    onehot = torch.zeros(world, dtype=torch.int64)
-    onehot[rank] = 1
-    dist.all_reduce(onehot, group=group)
-    members = torch.nonzero(onehot).flatten().tolist() if int(onehot.max()) == 1 else [-1]
-    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, torch.tensor([rank]), group=group)
-    return members, [int(t) for t in gathered]
+    """Members of ``group`` and their group-rank order, by tests/probes.py's collectives."""
+    probed = probe_group(group, world, rank)
+    return probed["members"], probed["order"]
 
 
 def _full(rank: int, rows: int, cols: int) -> torch.Tensor:
