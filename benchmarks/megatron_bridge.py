@@ -91,7 +91,7 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]]) -> str:
 
 def write_section(results: Path, body: str, argv: list[str]) -> None:
     """Put ``body`` between this command's markers in ``results`` (replacing, else appending)."""
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     section = (
         f"{START}\n## Megatron-core on parallelctx: `launch + install()` against `initialize_model_parallel`\n\n"
@@ -114,7 +114,9 @@ def write_section(results: Path, body: str, argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run the start-up jobs and the simulation, print the table, write the section; return 0."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sim-world", type=int, default=16384, help="0 skips the simulation")
@@ -128,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.worlds:
             print(f"layout: tensor 2, pipeline {pipeline_for(world)}", flush=True)
             runs.append(startup_run(world, False, args, Path(tmp)))
-    sims = {lib: sim_run(lib, args.sim_world, args) for lib in ("bridge", "megatron")} if args.sim_world else {}
+    sims = (
+        {lib: sim_run(lib, args.sim_world, args) for lib in ("bridge", "megatron")} if args.sim_world else {}
+    )
     body = table(runs, sims)
     print(body)
     write_section(args.results, body, argv)

@@ -192,8 +192,13 @@ def setup_bridge(tensor: int, pipeline: int) -> Built:
     gpc.set_device()
     gpc.set_seed()
     calls = gpc.group_creations + bridge.install()
-    groups = _distinct_groups([getattr(ps, name) for name in sorted(bridge._PRISTINE)
-                               if isinstance(getattr(ps, name), dist.ProcessGroup)])
+    groups = _distinct_groups(
+        [
+            getattr(ps, name)
+            for name in sorted(bridge._PRISTINE)
+            if isinstance(getattr(ps, name), dist.ProcessGroup)
+        ]
+    )
     queries = [Query("get_tensor_model_parallel_rank()", "f()", {"f": ps.get_tensor_model_parallel_rank})]
 
     def teardown() -> None:

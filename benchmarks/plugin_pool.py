@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     text = table(m)
     print(text)
     if args.append_results:
-        when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        when = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         command = "python -m benchmarks.plugin_pool " + " ".join(argv if argv is not None else sys.argv[1:])
         section = (
             f"{START}\n## pytest plugin: pooled vs fresh processes per test (issue 9)\n\n"
@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         old = RESULTS.read_text() if RESULTS.is_file() else ""
         pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-        new = pattern.sub(lambda _: section, old) if pattern.search(old) else old.rstrip("\n") + "\n\n" + section + "\n"
+        new = (
+            pattern.sub(lambda _: section, old)
+            if pattern.search(old)
+            else old.rstrip("\n") + "\n\n" + section + "\n"
+        )
         RESULTS.write_text(new)
     return 0
 

@@ -179,13 +179,20 @@ def verdicts(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[str
     for name in FAST_QUERIES:
         if (PCTX, name) in ns:
             v = ns[(PCTX, name)]
-            lines.append(f"query `{name}`: {v:.1f} ns (target < {QUERY_NS_LIMIT:.0f}): {_mark(v < QUERY_NS_LIMIT)}")
+            lines.append(
+                f"query `{name}`: {v:.1f} ns (target < {QUERY_NS_LIMIT:.0f}): {_mark(v < QUERY_NS_LIMIT)}"
+            )
     base = ns.get((PCTX, "get_local_rank(mode)"))
     if base:
-        for (lib, name), target in (((("megatron", MEGATRON_RANK)), QUERY_VS_MEGATRON), ((("devicemesh", MESH_RANK)), QUERY_VS_MESH)):
+        for (lib, name), target in (
+            ((("megatron", MEGATRON_RANK)), QUERY_VS_MEGATRON),
+            ((("devicemesh", MESH_RANK)), QUERY_VS_MESH),
+        ):
             if (lib, name) in ns:
                 x = ns[(lib, name)] / base
-                lines.append(f"query vs `{name}`: {x:.1f}x faster (target ≥ {target:.0f}x): {_mark(x >= target)}")
+                lines.append(
+                    f"query vs `{name}`: {x:.1f}x faster (target ≥ {target:.0f}x): {_mark(x >= target)}"
+                )
     own = sorted((s for s in sims if s.get("lib", PCTX) == PCTX), key=lambda s: s["world_size"])
     own_at = {s["world_size"]: s for s in own}
     for lib in LIBS[1:]:
@@ -228,7 +235,9 @@ def verdicts(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> list[str
                 f"{same[-1]['startup_s'] / same[0]['startup_s']:.2f}x, peak memory "
                 f"{same[-1]['peak_bytes'] / same[0]['peak_bytes']:.2f}x"
             )
-        lines.append(f"layout of the whole world, slowest: {lay * 1e3:.1f} ms (target < 1 s): {_mark(lay < 1)}")
+        lines.append(
+            f"layout of the whole world, slowest: {lay * 1e3:.1f} ms (target < 1 s): {_mark(lay < 1)}"
+        )
     return lines
 
 
@@ -258,7 +267,12 @@ def plot(runs: list[dict[str, Any]], sims: list[dict[str, Any]], path: Path) -> 
                     hi.append(b - m)
             if xs:
                 ax.errorbar(
-                    xs, med, yerr=[lo, hi], marker="o", capsize=3, color=colours[lib],
+                    xs,
+                    med,
+                    yerr=[lo, hi],
+                    marker="o",
+                    capsize=3,
+                    color=colours[lib],
                     linestyle="--" if lazy else "-",
                     label=f"{PEER_LABEL[lib]} ({'lazy' if lazy else 'eager'} gloo)",
                 )
@@ -266,7 +280,10 @@ def plot(runs: list[dict[str, Any]], sims: list[dict[str, Any]], path: Path) -> 
         sim = sorted((s for s in sims if s.get("lib", PCTX) == lib), key=lambda s: s["world_size"])
         if sim:
             ax.plot(
-                [s["world_size"] for s in sim], [s["startup_s"] for s in sim], marker="s", linestyle=":",
+                [s["world_size"] for s in sim],
+                [s["startup_s"] for s in sim],
+                marker="s",
+                linestyle=":",
                 color="black" if lib == PCTX else colours[lib],
                 label=f"{PEER_LABEL[lib]}, one rank simulated (fake backend)",
             )

@@ -12,12 +12,12 @@ each (:mod:`benchmarks.startup_worker`); then simulates one rank of huge worlds
 from __future__ import annotations
 
 import argparse
-import re
 import datetime
 import importlib.util
 import json
 import os
 import platform
+import re
 import shlex
 import signal
 import subprocess
@@ -42,11 +42,22 @@ def ensure_peers() -> None:
     missing = [spec for module, spec in PEER_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if not missing:
         return
-    cmd = [sys.executable, "-m", "pip", "install", "-q", "-c", str(ROOT / "requirements" / "constraints.txt"), *missing]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "-c",
+        str(ROOT / "requirements" / "constraints.txt"),
+        *missing,
+    ]
     print("installing the peers:", shlex.join(cmd), flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
-        raise RuntimeError(f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise RuntimeError(
+            f"{shlex.join(cmd)} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
 
 
 def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> str:
@@ -57,7 +68,12 @@ def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> str:
             workers included, is killed); the message has the command and the output tail.
     """
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -65,7 +81,9 @@ def run_command(cmd: list[str], env: dict[str, str], timeout: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=30)
-        raise RuntimeError(f"{shlex.join(cmd)} ran past {timeout:.0f} s and was killed:\n{out[-3000:]}") from None
+        raise RuntimeError(
+            f"{shlex.join(cmd)} ran past {timeout:.0f} s and was killed:\n{out[-3000:]}"
+        ) from None
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
     return out
@@ -79,14 +97,36 @@ def pipeline_for(world: int) -> int:
 def startup_run(world: int, lazy: bool, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     """One torchrun job of :mod:`benchmarks.startup_worker`; return its JSON."""
     out = tmp / f"startup_{world}_{'lazy' if lazy else 'eager'}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_GLOO_LAZY_INIT="1" if lazy else "0")
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCH_GLOO_LAZY_INIT="1" if lazy else "0"
+    )
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-        "-m", "benchmarks.startup_worker", "--tensor", "2", "--pipeline", str(pipeline_for(world)),
-        "--repeats", str(args.repeats), "--query-calls", str(args.query_calls), "--libs", args.libs,
-        "--timeout", str(args.timeout), "--out", str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "benchmarks.startup_worker",
+        "--tensor",
+        "2",
+        "--pipeline",
+        str(pipeline_for(world)),
+        "--repeats",
+        str(args.repeats),
+        "--query-calls",
+        str(args.query_calls),
+        "--libs",
+        args.libs,
+        "--timeout",
+        str(args.timeout),
+        "--out",
+        str(out),
     ]
-    print(f"start-up: world {world}, {'lazy' if lazy else 'eager'} gloo, {args.repeats} rounds ...", flush=True)
+    print(
+        f"start-up: world {world}, {'lazy' if lazy else 'eager'} gloo, {args.repeats} rounds ...", flush=True
+    )
     run_command(cmd, env, args.timeout)
     return json.loads(out.read_text())
 
@@ -99,7 +139,15 @@ def sim_run(lib: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     repeats = args.sim_repeats if lib == report.PCTX else min(args.sim_repeats, 2)
     cmd = [
-        sys.executable, "-m", "benchmarks.simulate", "--world", str(world), "--repeats", str(repeats), "--lib", lib,
+        sys.executable,
+        "-m",
+        "benchmarks.simulate",
+        "--world",
+        str(world),
+        "--repeats",
+        str(repeats),
+        "--lib",
+        lib,
     ]
     print(f"simulated start-up: {lib}, world {world:,} ...", flush=True)
     out = run_command(cmd, env, args.timeout)
@@ -123,12 +171,12 @@ def write_results(
         from importlib.metadata import version
 
         megatron = version("megatron-core")
-    except Exception:  # noqa: BLE001 - a missing peer only drops its version from the header
+    except Exception:
         megatron = "not installed"
     png = out_dir / "startup.png"
     report.plot(runs, sims, png)
     command = shlex.join(["python", "-m", "benchmarks.run", *argv])
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     text = f"""# Benchmark results
 
 Written by `benchmarks/run.py`; do not edit by hand. Produced by
@@ -143,7 +191,7 @@ slower and noisier). How the numbers are made and what they mean:
 
 ## Verdicts against the targets of issue 5
 
-{chr(10).join('- ' + line for line in lines)}
+{chr(10).join("- " + line for line in lines)}
 
 {tables}
 ![start-up against world size]({png.name})
@@ -202,7 +250,9 @@ def kept_sections(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run every benchmark, print the tables, write RESULTS.md and the plot; return 0."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 16], help="torchrun world sizes")
     parser.add_argument("--repeats", type=int, default=7, help="measured rounds per torchrun job")
     parser.add_argument("--gloo", choices=("both", "eager", "lazy"), default="both")
@@ -211,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-worlds", type=int, nargs="*", default=[64, 1024, 16384, 131072])
     parser.add_argument("--sim-repeats", type=int, default=7)
     parser.add_argument(
-        "--sim-peer-max", type=int, default=16384,
+        "--sim-peer-max",
+        type=int,
+        default=16384,
         help="largest simulated world for the peers (Megatron-core needs ~30 s per start-up at 131,072)",
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
@@ -220,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for world in args.worlds:
         if world < 4 or world % (2 * pipeline_for(world)):
-            parser.error(f"--worlds {world}: needs a multiple of {2 * pipeline_for(world)} (tensor 2 x pipeline {pipeline_for(world)}), at least 4")
+            parser.error(
+                f"--worlds {world}: needs a multiple of {2 * pipeline_for(world)} (tensor 2 x pipeline {pipeline_for(world)}), at least 4"
+            )
     if not args.no_install:
         ensure_peers()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -236,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         if lib == report.PCTX or w <= args.sim_peer_max
     ]
     tables = (
-        "## Start-up, torchrun on this machine\n\n" + report.startup_table(runs)
-        + "\n## Queries (ns per call, rank 0)\n\n" + report.query_table(runs)
+        "## Start-up, torchrun on this machine\n\n"
+        + report.startup_table(runs)
+        + "\n## Queries (ns per call, rank 0)\n\n"
+        + report.query_table(runs)
         + ("\n## Simulated start-up of one rank (fake backend)\n\n" + report.sim_table(sims) if sims else "")
     )
     lines = report.verdicts(runs, sims)

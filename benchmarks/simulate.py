@@ -86,7 +86,9 @@ def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
 
             t, p, c = sizes["tensor"], sizes["pipeline"], sizes["context"]
             _MESHES.append(
-                init_device_mesh("cpu", (p, world // (t * p * c), c, t), mesh_dim_names=("pp", "dp", "cp", "tp"))
+                init_device_mesh(
+                    "cpu", (p, world // (t * p * c), c, t), mesh_dim_names=("pp", "dp", "cp", "tp")
+                )
             )
     return counter[0]
 
@@ -156,7 +158,11 @@ def torch_alone(rank: int, world: int, sizes: dict[str, int], repeats: int) -> d
     kept, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     undo(groups)
-    return {"torch_alone_s": statistics.median(times[1:]), "torch_alone_kept_bytes": kept, "torch_alone_peak_bytes": peak}
+    return {
+        "torch_alone_s": statistics.median(times[1:]),
+        "torch_alone_kept_bytes": kept,
+        "torch_alone_peak_bytes": peak,
+    }
 
 
 def simulate(world: int, repeats: int, lib: str = "parallelctx", rank: int | None = None) -> dict[str, Any]:

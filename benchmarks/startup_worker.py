@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rounds: list[list[dict[str, Any]]] = []
     for index in range(args.repeats + 1):  # round 0 warms up and is dropped
-        order = libs[index % len(libs):] + libs[: index % len(libs)]
+        order = libs[index % len(libs) :] + libs[: index % len(libs)]
         rounds.append(
             [measure(lib, args.tensor, args.pipeline, index > 0, args.query_calls) for lib in order]
         )

@@ -89,6 +89,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [
+    "REPLICA",
     "Config",
     "ConfigError",
     "LaunchEnv",
@@ -100,7 +101,6 @@ __all__ = [
     "NotLaunchedError",
     "ParallelContext",
     "ParallelMode",
-    "REPLICA",
     "RNGState",
     "SpawnError",
     "checkpoint",

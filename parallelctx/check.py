@@ -60,7 +60,9 @@ def probe_groups(ctx: ParallelContext) -> dict[str, dict[str, Any]]:
         members = torch.nonzero(onehot.cpu()).flatten().tolist()
         if onehot.max().item() != 1:
             members = [-1]  # a rank counted twice: not a group of distinct members
-        gathered = [torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(dist.get_world_size(group))]
+        gathered = [
+            torch.zeros(1, dtype=torch.int64, device=ctx.device) for _ in range(dist.get_world_size(group))
+        ]
         dist.all_gather(gathered, torch.tensor([rank], device=ctx.device), group=group)
         order = [int(t.item()) for t in gathered]
         cpu_onehot = torch.zeros(world, dtype=torch.int64)
@@ -123,7 +125,9 @@ class ModeCheck:
 def _verify_rank(layout: Layout, mode: ParallelMode, rank: int, got: Mapping[str, Any] | None) -> list[str]:
     expected = layout.group_of(mode, rank)
     if not expected:
-        return [] if got is None else [f"{mode.value}: rank {rank} should be in no group, has {got['members']}"]
+        return (
+            [] if got is None else [f"{mode.value}: rank {rank} should be in no group, has {got['members']}"]
+        )
     if got is None:
         return [f"{mode.value}: rank {rank} has no group, expected {expected}"]
     local = expected.index(rank)

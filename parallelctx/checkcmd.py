@@ -116,8 +116,14 @@ def run_checks(
     hosts = np.unique(np.asarray(ctx.hostnames), return_inverse=True)[1]
     same = dict(timed_modes(layout))
     report = CheckReport(
-        layout.describe(), layout.world_size, len(set(ctx.hostnames)), ctx.backend, list(sizes), iters,
-        0.0, seed_problems=seed_problems,
+        layout.describe(),
+        layout.world_size,
+        len(set(ctx.hostnames)),
+        ctx.backend,
+        list(sizes),
+        iters,
+        0.0,
+        seed_problems=seed_problems,
     )
     for check in checks:
         mode = ParallelMode(check.mode)
@@ -256,7 +262,9 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
         if prepare is not None:
             prepare(gpc)
         rank = gpc.get_global_rank()
-        report = run_checks(gpc, sizes, args.iters, args.warmup, args.slow_factor, _progress(rank, args.quiet))
+        report = run_checks(
+            gpc, sizes, args.iters, args.warmup, args.slow_factor, _progress(rank, args.quiet)
+        )
         if rank == 0:
             if args.json:
                 print(json.dumps(report_json(report)), flush=True)

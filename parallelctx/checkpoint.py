@@ -59,7 +59,9 @@ class _Replay:
             streams.restore(now)
 
 
-def rng_context_fn() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+def rng_context_fn() -> tuple[
+    contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]
+]:
     """The ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``
     that saves every gpc RNG stream at the forward and restores it for the recomputation.
 
@@ -73,7 +75,9 @@ def rng_context_fn() -> tuple[contextlib.AbstractContextManager[None], contextli
     return replay.forward(), replay.recompute()
 
 
-def checkpoint(function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None, **kwargs: Any) -> Any:
+def checkpoint(
+    function: Callable[..., Any], *args: Any, use_reentrant: bool | None = None, **kwargs: Any
+) -> Any:
     """Run ``function(*args)`` under ``torch.utils.checkpoint.checkpoint`` with every gpc RNG
     stream (each mode's CPU and CUDA generator) saved at the forward and restored for the
     recomputation, so outputs and gradients equal the run without checkpointing bit for bit.

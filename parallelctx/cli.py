@@ -1,10 +1,10 @@
 """The ``parallelctx`` command (also ``python -m parallelctx``).
 
-    parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert N]
-                     [--expert-tensor N] [--order S] [--config FILE] [--nproc-per-node G]
-                     [--nodes N] [--json] [--output FILE] [--png FILE] [--svg FILE]
-    parallelctx check [--config FILE] [--sizes 4KiB,1MiB,16MiB] [--json]   under a launcher
-    parallelctx env [--json]     which launcher started this process and what it said
+parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert N]
+                 [--expert-tensor N] [--order S] [--config FILE] [--nproc-per-node G]
+                 [--nodes N] [--json] [--output FILE] [--png FILE] [--svg FILE]
+parallelctx check [--config FILE] [--sizes 4KiB,1MiB,16MiB] [--json]   under a launcher
+parallelctx env [--json]     which launcher started this process and what it said
 """
 
 from __future__ import annotations
@@ -135,8 +135,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if world > JSON_FULL_LIMIT:
             json.dump(_json_summary(layout, extra), sys.stdout)
             sys.stdout.write("\n")
-            print(f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group",
-                  file=sys.stderr)
+            print(
+                f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group",
+                file=sys.stderr,
+            )
         else:
             _json_full(layout, extra, sys.stdout)
     elif not (args.png or args.svg) or args.text:
@@ -179,12 +181,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 def check_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the options of ``parallelctx check`` to ``parser`` (shared with the demo); returns None."""
-    parser.add_argument("--config", default=None, help="config file (.py/.json/.toml/.yaml); default: all sizes 1")
-    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB", help="all-reduce message sizes (default %(default)s)")
-    parser.add_argument("--iters", type=int, default=5, help="timed all-reduces per size and group (default 5)")
+    parser.add_argument(
+        "--config", default=None, help="config file (.py/.json/.toml/.yaml); default: all sizes 1"
+    )
+    parser.add_argument(
+        "--sizes", default="4KiB,1MiB,16MiB", help="all-reduce message sizes (default %(default)s)"
+    )
+    parser.add_argument(
+        "--iters", type=int, default=5, help="timed all-reduces per size and group (default 5)"
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed all-reduces first (default 1)")
-    parser.add_argument("--slow-factor", type=float, default=2.0,
-                        help="flag groups slower than this times their peers' median (default 2)")
+    parser.add_argument(
+        "--slow-factor",
+        type=float,
+        default=2.0,
+        help="flag groups slower than this times their peers' median (default 2)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object on rank 0")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -196,8 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the rank layout of a world (no processes started)")
     p.add_argument("--world-size", type=int, default=None, help="ranks in the job (or --nodes with G)")
     p.add_argument("--nodes", type=int, default=None, help="nodes; world = nodes x --nproc-per-node")
-    p.add_argument("--nproc-per-node", type=int, default=None, metavar="G",
-                   help="ranks per node: node = rank // G, as torchrun and srun place them")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="ranks per node: node = rank // G, as torchrun and srun place them",
+    )
     p.add_argument("--config", default=None, help="take sizes and order from this config's parallel section")
     p.add_argument("--tensor", type=int, default=None)
     p.add_argument("--pipeline", type=int, default=None)

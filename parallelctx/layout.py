@@ -18,10 +18,11 @@ rule), so a pipeline stage holds the same ranks in both.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +85,7 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
         return self.value
 
     @classmethod
-    def parse(cls, mode: "ParallelMode | str") -> "ParallelMode":
+    def parse(cls, mode: ParallelMode | str) -> ParallelMode:
         """Return the :class:`ParallelMode` for ``mode`` (a member or its lower-case name).
 
         Raises:
@@ -121,7 +122,9 @@ _MODE_AXES: dict[ParallelMode, tuple[str, tuple[str, ...]]] = {
 
 _uncovered = set(ParallelMode) - set(_MODE_AXES) - {ParallelMode.EMBEDDING}
 if _uncovered:  # caught at import, so a new mode cannot ship without its axes
-    raise ImportError(f"parallelctx.layout: no axes for modes {sorted(map(str, _uncovered))}; add them to _MODE_AXES")
+    raise ImportError(
+        f"parallelctx.layout: no axes for modes {sorted(map(str, _uncovered))}; add them to _MODE_AXES"
+    )
 
 
 def parse_order(order: str) -> tuple[str, ...]:
@@ -135,9 +138,7 @@ def parse_order(order: str) -> tuple[str, ...]:
     tokens = tuple(t.strip().lower() for t in order.split("-"))
     for token in tokens:
         if token not in AXES:
-            raise LayoutError(
-                f"order={order!r} has unknown token {token!r}; valid tokens: {', '.join(AXES)}"
-            )
+            raise LayoutError(f"order={order!r} has unknown token {token!r}; valid tokens: {', '.join(AXES)}")
     repeated = sorted({t for t in tokens if tokens.count(t) > 1})
     if repeated:
         raise LayoutError(f"order={order!r} repeats {', '.join(repeated)}; name each axis once")
@@ -238,7 +239,9 @@ class Layout:
         sizes = _validated_sizes(
             self.world_size, self.tensor, self.pipeline, self.context, self.expert, self.expert_tensor
         )
-        for name, value in zip(("world_size", "tensor", "pipeline", "context", "expert", "expert_tensor"), sizes):
+        for name, value in zip(
+            ("world_size", "tensor", "pipeline", "context", "expert", "expert_tensor"), sizes
+        ):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_etp", sizes[-1])
         _check_axes_named(self)
@@ -431,10 +434,7 @@ class Layout:
 
     def describe(self) -> str:
         """Return a one-line summary such as ``world=8 tp=2 cp=1 dp=2 pp=2 order=tp-cp-ep-dp-pp``."""
-        text = (
-            f"world={self.world_size} tp={self.tensor} cp={self.context} dp={self.data} "
-            f"pp={self.pipeline}"
-        )
+        text = f"world={self.world_size} tp={self.tensor} cp={self.context} dp={self.data} pp={self.pipeline}"
         if self.expert > 1 or self._etp != self.tensor:
             text += f" ep={self.expert} etp={self._etp} edp={self.expert_data}"
         return text + f" order={self.order}"

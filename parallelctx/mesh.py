@@ -32,7 +32,7 @@ from .layout import Layout, LayoutError, ParallelMode
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIMS", "MeshPlan", "MeshError", "build_device_mesh", "mesh_plan"]
+__all__ = ["MESH_DIMS", "MeshError", "MeshPlan", "build_device_mesh", "mesh_plan"]
 
 # Per grid: order-string token -> (mesh dimension name, the mode whose groups it uses).
 MESH_DIMS: dict[str, dict[str, tuple[str, ParallelMode]]] = {

@@ -64,7 +64,9 @@ def _panel(ax: Any, layout: Layout, mode: ParallelMode, per_node: int, cmap: Any
     rgba = np.ones((nodes, per_node, 4))
     for rank in range(world):
         index = colour_of[rank]
-        rgba[rank // per_node, rank % per_node] = (0.85, 0.85, 0.85, 1.0) if index < 0 else cmap(_shade(index))
+        rgba[rank // per_node, rank % per_node] = (
+            (0.85, 0.85, 0.85, 1.0) if index < 0 else cmap(_shade(index))
+        )
     ax.imshow(rgba, aspect="equal", interpolation="nearest")
     label = world <= 256
     for rank in range(world if label else 0):
@@ -127,7 +129,7 @@ def draw(layout: Layout, nproc_per_node: int | None, path: str | Path, fmt: str 
     try:
         for ax, mode in zip(axes.flat, modes):
             _panel(ax, layout, mode, per_node, cmap)
-        for ax in list(axes.flat)[len(modes):]:
+        for ax in list(axes.flat)[len(modes) :]:
             ax.set_visible(False)
         fig.suptitle(f"{layout.describe()}, {per_node} ranks per node", fontsize=11)
         fig.tight_layout()

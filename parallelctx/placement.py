@@ -90,7 +90,11 @@ class PlacementWarning:
 
 
 def _check_nproc(nproc_per_node: int) -> int:
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, (int, np.integer)) or nproc_per_node < 1:
+    if (
+        isinstance(nproc_per_node, bool)
+        or not isinstance(nproc_per_node, (int, np.integer))
+        or nproc_per_node < 1
+    ):
         raise LayoutError(
             f"nproc_per_node={nproc_per_node!r} must be a positive integer (the processes each node runs)"
         )
@@ -185,7 +189,9 @@ def _suggest(layout: Layout, mode: ParallelMode, nproc_per_node: int) -> str:
             continue
         if not _crossing_modes(other, nproc_per_node):
             return f"order={order!r} keeps every tensor, context and expert-tensor group inside one node"
-    inner = layout.tensor * layout.context if mode is not ParallelMode.EXPERT_TENSOR else layout.axis_size("etp")
+    inner = (
+        layout.tensor * layout.context if mode is not ParallelMode.EXPERT_TENSOR else layout.axis_size("etp")
+    )
     return (
         f"put {_TOKEN[mode]!r} first in the order and choose sizes whose product "
         f"(here {inner}) divides nproc_per_node={nproc_per_node}"

@@ -96,7 +96,9 @@ def placement_table(spans: list[ModeSpan], world_size: int, nproc_per_node: int)
     table.add_column("groups crossing nodes", justify="right")
     for span in spans:
         if span.group_size > 1:
-            table.add_row(span.mode, f"{span.groups} x {span.group_size}", span.describe(), str(span.crossing))
+            table.add_row(
+                span.mode, f"{span.groups} x {span.group_size}", span.describe(), str(span.crossing)
+            )
     return table
 
 

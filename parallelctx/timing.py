@@ -32,8 +32,19 @@ __all__ = [
 DEFAULT_SIZES: tuple[int, ...] = (4 << 10, 1 << 20, 16 << 20)
 """Message sizes timed by default: 4 KiB (latency), 1 MiB, 16 MiB (bandwidth)."""
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+}
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:

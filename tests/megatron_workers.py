@@ -27,8 +27,8 @@ from parallelctx import ParallelMode, gpc
 
 warnings.simplefilter("ignore")
 
-from megatron.core import ModelParallelConfig, tensor_parallel
-from megatron.core import parallel_state as ps
+from megatron.core import ModelParallelConfig, tensor_parallel  # noqa: E402 - after the warnings filter (megatron warns at import)
+from megatron.core import parallel_state as ps  # noqa: E402
 
 # Public functions of parallel_state that are not state getters, and why (docs/migration.md).
 NOT_GETTERS: dict[str, str] = {
@@ -92,7 +92,7 @@ def answer_all(getters: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             key = name + "(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
             try:
                 out[key] = describe(fn(**kwargs))
-            except Exception as exc:  # noqa: BLE001 - the exception type is part of the answer
+            except Exception as exc:
                 out[key] = {"raises": type(exc).__name__}
     return out
 
@@ -136,7 +136,9 @@ def non_pristine() -> list[str]:
     return [n for n, f in bridge._PRISTINE.items() if getattr(ps, n) != f()]
 
 
-def compare_layout(case: dict[str, Any], relaunch: Any, getters: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def compare_layout(
+    case: dict[str, Any], relaunch: Any, getters: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     """Megatron's answers, then parallelctx's, for one layout (gpc launched with it on entry)."""
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # Megatron's groups connect on first use only
     try:
@@ -172,7 +174,14 @@ def compare_layout(case: dict[str, Any], relaunch: Any, getters: dict[str, list[
         "tracker_is_ours": tensor_parallel.random._CUDA_RNG_STATE_TRACKER is bridge._TRACKER,
         "created_alive": sum(1 for g in created if g in registry),
     }
-    return {"theirs": theirs, "ours": ours, "calls": calls, "made": made, "proofs": proofs, "restored": restored}
+    return {
+        "theirs": theirs,
+        "ours": ours,
+        "calls": calls,
+        "made": made,
+        "proofs": proofs,
+        "restored": restored,
+    }
 
 
 def layers(out: dict[str, Any]) -> None:
@@ -199,7 +208,13 @@ def layers(out: dict[str, Any]) -> None:
         hidden, ffn, config=cfg, init_method=copy_from(w1), bias=False, gather_output=False
     )
     row = tensor_parallel.RowParallelLinear(
-        ffn, hidden, config=cfg, init_method=copy_from(w2), bias=False, input_is_parallel=True, skip_bias_add=False
+        ffn,
+        hidden,
+        config=cfg,
+        init_method=copy_from(w2),
+        bias=False,
+        input_is_parallel=True,
+        skip_bias_add=False,
     )
     vemb = tensor_parallel.VocabParallelEmbedding(vocab, hidden, init_method=copy_from(emb), config=cfg)
     xp = x.clone().requires_grad_(True)
@@ -225,10 +240,19 @@ def layers(out: dict[str, Any]) -> None:
     diffs = {
         "column_row_forward": (y - ys).abs().max().item(),
         "input_grad": (xp.grad - xs.grad).abs().max().item(),  # type: ignore[operator]
-        "column_weight_grad": (col.weight.grad - lin1.weight.grad[rank * shard : (rank + 1) * shard]).abs().max().item(),
-        "row_weight_grad": (row.weight.grad - lin2.weight.grad[:, rank * shard : (rank + 1) * shard]).abs().max().item(),
+        "column_weight_grad": (col.weight.grad - lin1.weight.grad[rank * shard : (rank + 1) * shard])
+        .abs()
+        .max()
+        .item(),
+        "row_weight_grad": (row.weight.grad - lin2.weight.grad[:, rank * shard : (rank + 1) * shard])
+        .abs()
+        .max()
+        .item(),
         "embedding_forward": (e - es).abs().max().item(),
-        "embedding_grad": (vemb.weight.grad - semb.weight.grad[rank * vshard : (rank + 1) * vshard]).abs().max().item(),
+        "embedding_grad": (vemb.weight.grad - semb.weight.grad[rank * vshard : (rank + 1) * vshard])
+        .abs()
+        .max()
+        .item(),
     }
     out["layer_diffs"] = diffs
     out["layer_tp_group"] = dist.get_process_group_ranks(col.tp_group)  # taken from parallel_state
@@ -268,7 +292,9 @@ def layers(out: dict[str, Any]) -> None:
         "calls": len(seen),
         "grad_diff": (a.grad - b.grad).abs().max().item(),  # type: ignore[operator]
         "streams_after_equal": all(
-            torch.equal(after_checkpoint["parallelctx"].states[k][0], tracker.get_states()["parallelctx"].states[k][0])
+            torch.equal(
+                after_checkpoint["parallelctx"].states[k][0], tracker.get_states()["parallelctx"].states[k][0]
+            )
             for k in after_checkpoint["parallelctx"].states
         ),
     }

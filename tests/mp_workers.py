@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from probes import probe_group
 
 import parallelctx
 from parallelctx import NotLaunchedError, ParallelMode, gpc
 from parallelctx.launch import free_port
-from probes import probe_group
 
 
 def _measure_group(group: Any, world: int, rank: int) -> dict[str, Any]:
@@ -95,7 +95,12 @@ def case_config(case: dict[str, Any]) -> dict[str, Any]:
     }
     if "expert" in case:
         parallel["expert"] = {"size": case["expert"], "tensor": case.get("expert_tensor", parallel["tensor"])}
-    return {"parallel": parallel, "dist": {"timeout": 120, "backend": "gloo"}, "seed": 1234, "model": {"hidden_size": 64}}
+    return {
+        "parallel": parallel,
+        "dist": {"timeout": 120, "backend": "gloo"},
+        "seed": 1234,
+        "model": {"hidden_size": 64},
+    }
 
 
 def run_cases(out_dir: str, cases: list[dict[str, Any]], port: int) -> None:
@@ -127,7 +132,6 @@ def run_cases(out_dir: str, cases: list[dict[str, Any]], port: int) -> None:
         record = _record(case)
         record["after_destroy"] = after
         Path(out_dir, f"case{i}_rank{rank}.json").write_text(json.dumps(record))
-
 
 
 def adopted_relaunch(index: int, world: int, init_method: str, out_dir: str) -> None:
@@ -170,7 +174,9 @@ def seed_table_worker(out_dir: str, layouts: dict[str, dict[str, Any]]) -> None:
                 dist.broadcast_object_list(port_box, src=0)
                 port = port_box[0]
             gpc.destroy()
-            parallelctx.launch({"parallel": parallel}, rank=rank, world_size=world, port=port, local_rank=local)
+            parallelctx.launch(
+                {"parallel": parallel}, rank=rank, world_size=world, port=port, local_rank=local
+            )
         mine = {}
         for stream in STREAMS:
             with gpc.seed(stream):

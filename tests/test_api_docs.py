@@ -10,9 +10,31 @@ import parallelctx
 from parallelctx import ParallelContext
 
 API = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
-MODULES = ["config", "context", "env", "hostlist", "launch", "layout", "seed", "check", "mesh", "groups", "show", "cli",
-           "placement", "picture", "timing", "checkcmd", "megatron", "testing", "testing.asserts",
-           "testing.pool", "testing.plugin", "testing.report", "testing.worker"]
+MODULES = [
+    "config",
+    "context",
+    "env",
+    "hostlist",
+    "launch",
+    "layout",
+    "seed",
+    "check",
+    "mesh",
+    "groups",
+    "show",
+    "cli",
+    "placement",
+    "picture",
+    "timing",
+    "checkcmd",
+    "megatron",
+    "testing",
+    "testing.asserts",
+    "testing.pool",
+    "testing.plugin",
+    "testing.report",
+    "testing.worker",
+]
 
 
 def test_every_exported_name_is_documented() -> None:
@@ -36,7 +58,11 @@ def test_public_functions_have_docstrings() -> None:
                 undocumented.append(f"{name}.{attr}")
             if inspect.isclass(obj):
                 for meth_name, meth in vars(obj).items():
-                    if inspect.isfunction(meth) and not meth_name.startswith("_") and not inspect.getdoc(meth):
+                    if (
+                        inspect.isfunction(meth)
+                        and not meth_name.startswith("_")
+                        and not inspect.getdoc(meth)
+                    ):
                         undocumented.append(f"{name}.{attr}.{meth_name}")
     assert not undocumented, undocumented
 

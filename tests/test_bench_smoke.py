@@ -21,9 +21,25 @@ pytest.importorskip("matplotlib")
 def test_benchmarks_run_once_and_print_tables(tmp_path: Path) -> None:
     """The whole entry point at world 4, one round, two small simulated worlds."""
     cmd = [
-        sys.executable, "-m", "benchmarks.run", "--worlds", "4", "--repeats", "1",
-        "--query-calls", "2000", "--sim-worlds", "64", "1024", "--sim-repeats", "1",
-        "--timeout", "240", "--out", str(tmp_path), "--no-install",
+        sys.executable,
+        "-m",
+        "benchmarks.run",
+        "--worlds",
+        "4",
+        "--repeats",
+        "1",
+        "--query-calls",
+        "2000",
+        "--sim-worlds",
+        "64",
+        "1024",
+        "--sim-repeats",
+        "1",
+        "--timeout",
+        "240",
+        "--out",
+        str(tmp_path),
+        "--no-install",
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)

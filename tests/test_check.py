@@ -27,9 +27,15 @@ def honest_probe(layout, rank: int) -> dict:
             continue
         local = members.index(rank)
         out[mode.value] = {
-            "members": members, "order": members, "cpu_members": members, "local_rank": local,
-            "size": len(members), "next": members[(local + 1) % len(members)],
-            "prev": members[(local - 1) % len(members)], "first": local == 0, "last": local == len(members) - 1,
+            "members": members,
+            "order": members,
+            "cpu_members": members,
+            "local_rank": local,
+            "size": len(members),
+            "next": members[(local + 1) % len(members)],
+            "prev": members[(local - 1) % len(members)],
+            "first": local == 0,
+            "last": local == len(members) - 1,
         }
     return out
 
@@ -84,14 +90,31 @@ def _torchrun(args: list[str], timeout: int = 240) -> subprocess.CompletedProces
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc-per-node", "8", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
     )
 
 
 @pytest.mark.timeout(300)
 def test_check_under_torchrun_json() -> None:
-    proc = _torchrun(["-m", "parallelctx", "check", "--config", "configs/demo_3d.py", "--sizes", "4KiB,64KiB",
-                      "--iters", "2", "--json"])
+    proc = _torchrun(
+        [
+            "-m",
+            "parallelctx",
+            "check",
+            "--config",
+            "configs/demo_3d.py",
+            "--sizes",
+            "4KiB,64KiB",
+            "--iters",
+            "2",
+            "--json",
+        ]
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, "one JSON object, on rank 0"
@@ -111,8 +134,20 @@ def test_check_under_torchrun_json() -> None:
 
 @pytest.mark.timeout(300)
 def test_check_fails_on_a_tampered_group(tmp_path) -> None:
-    proc = _torchrun(["tests/check_tamper.py", str(tmp_path), "--config", "configs/demo_3d.py", "--sizes", "4KiB",
-                      "--iters", "1", "--json", "--quiet"])
+    proc = _torchrun(
+        [
+            "tests/check_tamper.py",
+            str(tmp_path),
+            "--config",
+            "configs/demo_3d.py",
+            "--sizes",
+            "4KiB",
+            "--iters",
+            "1",
+            "--json",
+            "--quiet",
+        ]
+    )
     assert proc.returncode != 0
     report = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert report["ok"] is False

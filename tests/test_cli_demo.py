@@ -22,13 +22,45 @@ def test_plan_json_matches_layout(capsys) -> None:
     layout = plan(16, tensor=2, pipeline=2)
     assert printed == layout.to_dict()
     assert printed["tensor"][0] == [0, 1]
-    assert set(printed) >= {"global", "tensor", "pipeline", "data", "context", "model", "data_context", "embedding", "expert", "expert_data"}
+    assert set(printed) >= {
+        "global",
+        "tensor",
+        "pipeline",
+        "data",
+        "context",
+        "model",
+        "data_context",
+        "embedding",
+        "expert",
+        "expert_data",
+    }
 
 
 def test_plan_options(capsys) -> None:
-    assert main(["plan", "--world-size", "8", "--tensor", "2", "--pipeline", "2", "--order", "tp-pp-dp", "--json"]) == 0
+    assert (
+        main(
+            ["plan", "--world-size", "8", "--tensor", "2", "--pipeline", "2", "--order", "tp-pp-dp", "--json"]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["data"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert main(["plan", "--world-size", "16", "--context", "2", "--expert", "4", "--expert-tensor", "1", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--world-size",
+                "16",
+                "--context",
+                "2",
+                "--expert",
+                "4",
+                "--expert-tensor",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed == plan(16, context=2, expert=4, expert_tensor=1).to_dict()
 
@@ -48,7 +80,10 @@ def test_plan_error_exit_code(capsys) -> None:
 def test_module_entry_point() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "parallelctx", "plan", "--world-size", "4", "--tensor", "2", "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
     assert json.loads(out.stdout)["tensor"] == [[0, 1], [2, 3]]
 
@@ -58,9 +93,26 @@ def test_demo_under_torchrun() -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "8", "-m", "parallelctx.demo", "--config", "configs/demo_3d.py",
-         "--sizes", "4KiB,64KiB", "--iters", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240, env=env, check=False,
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "8",
+            "-m",
+            "parallelctx.demo",
+            "--config",
+            "configs/demo_3d.py",
+            "--sizes",
+            "4KiB,64KiB",
+            "--iters",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout

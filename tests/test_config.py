@@ -24,7 +24,15 @@ def test_defaults() -> None:
 
 
 def test_int_or_dict_sizes_and_extra_keys() -> None:
-    cfg = Config({"parallel": {"tensor": 2, "pipeline": {"size": 4, "interleaved_overlap": True}, "expert": {"size": 2, "tensor": 1}}})
+    cfg = Config(
+        {
+            "parallel": {
+                "tensor": 2,
+                "pipeline": {"size": 4, "interleaved_overlap": True},
+                "expert": {"size": 2, "tensor": 1},
+            }
+        }
+    )
     assert cfg.parallel.tensor.size == 2
     assert cfg.parallel.pipeline.size == 4
     assert cfg.parallel.pipeline.interleaved_overlap is True
@@ -39,7 +47,9 @@ def test_other_sections_by_attribute_and_key() -> None:
     assert cfg.model.layers == [1, 2]
     assert cfg.lr == 0.1
     assert cfg["parallel"] is cfg.parallel
-    with pytest.raises(AttributeError, match="config.model has no key 'hiden_size'; keys: hidden_size, layers"):
+    with pytest.raises(
+        AttributeError, match="config.model has no key 'hiden_size'; keys: hidden_size, layers"
+    ):
         cfg.model.hiden_size
     with pytest.raises(KeyError, match="config has no key 'optim'"):
         cfg["optim"]
@@ -70,7 +80,11 @@ def test_timeout_forms() -> None:
         ({"parallel": {"order": "tp-dp-dp"}}, "parallel.order", "repeats dp"),
         ({"parallel": {"tensr": 2}}, "parallel", "parallel: unknown key 'tensr'; did you mean 'tensor'?"),
         ({"dist": {"backend": "mpi"}}, "dist.backend", "'auto', 'nccl' or 'gloo'"),
-        ({"dist": {"timeout": "10s"}}, "dist.timeout", "must be seconds (e.g. timeout=1800) or a datetime.timedelta"),
+        (
+            {"dist": {"timeout": "10s"}},
+            "dist.timeout",
+            "must be seconds (e.g. timeout=1800) or a datetime.timedelta",
+        ),
         ({"dist": {"timeout": -1}}, "dist.timeout", "must be positive"),
         ({"dist": {"init_method": "http://x"}}, "dist.init_method", "tcp://, env:// or file://"),
         ({"seed": -1}, "seed", "greater than or equal to 0"),
@@ -159,7 +173,13 @@ def test_missing_file() -> None:
 def test_config_pickles_for_spawned_workers() -> None:
     import pickle
 
-    cfg = Config({"parallel": {"tensor": 2, "pipeline": {"size": 2, "overlap": True}}, "dist": {"timeout": 5}, "model": {"h": 3}})
+    cfg = Config(
+        {
+            "parallel": {"tensor": 2, "pipeline": {"size": 2, "overlap": True}},
+            "dist": {"timeout": 5},
+            "model": {"h": 3},
+        }
+    )
     again = pickle.loads(pickle.dumps(cfg))
     assert isinstance(again, Config)
     assert again.to_dict() == cfg.to_dict()
@@ -210,13 +230,28 @@ def test_timeout_limits_are_inclusive() -> None:
 @pytest.mark.parametrize(
     ("data", "text"),
     [
-        ({"parallel": {"tensor": {"sizes": 4}}}, "parallel.tensor: unknown key 'sizes'; did you mean 'size'?"),
-        ({"parallel": {"pipeline": {"size": 2, "szie": 4}}}, "parallel.pipeline: unknown key 'szie'; did you mean 'size'?"),
-        ({"parallel": {"expert": {"size": 2, "tensr": 2}}}, "parallel.expert: unknown key 'tensr'; did you mean 'tensor'?"),
-        ({"parallel": {"context": {"Size": 2}}}, "parallel.context: unknown key 'Size'; did you mean 'size'?"),
+        (
+            {"parallel": {"tensor": {"sizes": 4}}},
+            "parallel.tensor: unknown key 'sizes'; did you mean 'size'?",
+        ),
+        (
+            {"parallel": {"pipeline": {"size": 2, "szie": 4}}},
+            "parallel.pipeline: unknown key 'szie'; did you mean 'size'?",
+        ),
+        (
+            {"parallel": {"expert": {"size": 2, "tensr": 2}}},
+            "parallel.expert: unknown key 'tensr'; did you mean 'tensor'?",
+        ),
+        (
+            {"parallel": {"context": {"Size": 2}}},
+            "parallel.context: unknown key 'Size'; did you mean 'size'?",
+        ),
         ({"parallel": {"tensor": {"size": True}}}, "size=True is of type bool, not an integer"),
         ({"parallel": {"tensor": True}}, "parallel.tensor=True is of type bool"),
-        ({"parallel": {"tensor": "2"}}, "parallel.tensor='2' is of type str; give the size as an int (tensor=2)"),
+        (
+            {"parallel": {"tensor": "2"}},
+            "parallel.tensor='2' is of type str; give the size as an int (tensor=2)",
+        ),
         ({"parallel": {"tensor": {"size": "2"}}}, "size='2' is of type str, not an integer"),
         ({"parallel": {"tensor": 2.0}}, "parallel.tensor=2.0 is of type float"),
         ({"parallel": {"tensor": {"size": 2.0}}}, "size=2.0 is of type float"),
@@ -224,14 +259,20 @@ def test_timeout_limits_are_inclusive() -> None:
         ({"parallel": {"expert": {"size": 2, "tensor": True}}}, "tensor=True is of type bool"),
         ({"parallel": {"data": True}}, "data=True is of type bool"),
         ({"parallel": {"data": "4"}}, "data='4' is of type str"),
-        ({"parallel": {"pipeline": {"size": 2, "copy": 1}}}, "key 'copy' has the name of a pydantic model attribute"),
+        (
+            {"parallel": {"pipeline": {"size": 2, "copy": 1}}},
+            "key 'copy' has the name of a pydantic model attribute",
+        ),
         ({"parallel": {"pipeline": {"size": 2, 3: 1}}}, "parallel.pipeline: key 3 is not a name"),
         ({"parallel": {"order": b"tp-dp"}}, "Input should be a valid string"),
         ({"seed": True}, "seed=True is of type bool, not an integer"),
         ({"seed": b"1"}, "seed=b'1' is of type bytes, not an integer"),
         ({"seed": "1"}, "seed='1' is of type str"),
         ({"seed": 1.0}, "seed=1.0 is of type float"),
-        ({"dist": {"timout": 3}}, "dist: unknown key 'timout'; did you mean 'timeout'? valid keys: backend, timeout"),
+        (
+            {"dist": {"timout": 3}},
+            "dist: unknown key 'timout'; did you mean 'timeout'? valid keys: backend, timeout",
+        ),
         ({"dist": {"gloo_lazy_init": "yes"}}, "dist.gloo_lazy_init"),
         ({"parallel": {"pipelin": 2}}, "parallel: unknown key 'pipelin'; did you mean 'pipeline'?"),
         ({"parallel": {"zzz": 2}}, "parallel: unknown key 'zzz'; valid keys: tensor, pipeline"),
@@ -246,9 +287,17 @@ def test_typos_and_wrong_types_are_refused(data, text) -> None:
 def test_axis_extras_kept_and_numpy_sizes_accepted() -> None:
     import numpy as np
 
-    cfg = Config({"parallel": {"tensor": np.int64(2), "pipeline": {"size": np.int32(4), "overlap_p2p": True},
-                               "expert": {"size": 2, "tensor": np.int64(1)}, "data": np.int64(1)},
-                  "seed": np.uint32(7)})
+    cfg = Config(
+        {
+            "parallel": {
+                "tensor": np.int64(2),
+                "pipeline": {"size": np.int32(4), "overlap_p2p": True},
+                "expert": {"size": 2, "tensor": np.int64(1)},
+                "data": np.int64(1),
+            },
+            "seed": np.uint32(7),
+        }
+    )
     assert (cfg.parallel.tensor.size, cfg.parallel.pipeline.size, cfg.parallel.expert_tensor) == (2, 4, 1)
     assert type(cfg.parallel.tensor.size) is int and cfg.seed == 7 and type(cfg.seed) is int
     assert cfg.parallel.pipeline.overlap_p2p is True
@@ -285,8 +334,17 @@ def test_init_method_validated_in_full(url: str, text: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["tcp://10.0.0.1:29500", "tcp://[::1]:29500", "tcp://node-01.cluster:1", "tcp://h:65535?x=1",
-            "env://", "env://?rank=0", "file:///tmp/rdzv", "file://localhost/tmp/rdzv"],
+    "url",
+    [
+        "tcp://10.0.0.1:29500",
+        "tcp://[::1]:29500",
+        "tcp://node-01.cluster:1",
+        "tcp://h:65535?x=1",
+        "env://",
+        "env://?rank=0",
+        "file:///tmp/rdzv",
+        "file://localhost/tmp/rdzv",
+    ],
 )
 def test_good_init_methods_are_kept(url: str) -> None:
     assert Config({"dist": {"init_method": url}}).dist.init_method == url
@@ -299,7 +357,9 @@ def test_check_init_method_env(tmp_path: Path) -> None:
     check_init_method_env("env://", good)
     check_init_method_env(None, {})
     check_init_method_env("tcp://h:1", {})
-    with pytest.raises(ConfigError, match=r"dist.init_method='env://' .* MASTER_ADDR and MASTER_PORT are not set; export"):
+    with pytest.raises(
+        ConfigError, match=r"dist.init_method='env://' .* MASTER_ADDR and MASTER_PORT are not set; export"
+    ):
         check_init_method_env("env://", {})
     with pytest.raises(ConfigError, match="MASTER_PORT is not set"):
         check_init_method_env("env://", {"MASTER_ADDR": "h"})
@@ -319,7 +379,9 @@ def test_check_init_method_env(tmp_path: Path) -> None:
 @pytest.mark.parametrize("key", ["items", "keys", "values", "get", "to_dict", "_data"])
 def test_keys_shadowed_by_methods_are_refused(key: str) -> None:
     # gpc.config.model.items used to return the mapping method, silently
-    with pytest.raises(ConfigError, match=rf"config.model: key '{key}' is the name of a config-section method"):
+    with pytest.raises(
+        ConfigError, match=rf"config.model: key '{key}' is the name of a config-section method"
+    ):
         Config({"model": {key: 1}})
     with pytest.raises(ConfigError, match=rf"config: key '{key}' is the name"):
         Config({key: 1})
@@ -367,7 +429,9 @@ def test_non_utf8_files_name_the_file(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     text = {"c.json": b'{"model": {"name": "caf\xe9"}}', "c.toml": b'[model]\nname = "caf\xe9"\n'}
     path.write_bytes(text.get(name, b"model:\n  name: caf\xe9\n"))
-    with pytest.raises(ConfigError, match=rf"{name}:\d+: not UTF-8 text \(byte 0xe9 at offset \d+\); save the file as UTF-8"):
+    with pytest.raises(
+        ConfigError, match=rf"{name}:\d+: not UTF-8 text \(byte 0xe9 at offset \d+\); save the file as UTF-8"
+    ):
         Config.from_file(path)
 
 
@@ -393,7 +457,9 @@ def test_yaml_alias_bomb_is_refused_in_bounded_time(tmp_path: Path) -> None:
     import time
 
     start = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"bomb\.yaml: config holds more than 1000000 values .*YAML aliases"):
+    with pytest.raises(
+        ConfigError, match=r"bomb\.yaml: config holds more than 1000000 values .*YAML aliases"
+    ):
         Config.from_file(path)
     assert time.perf_counter() - start < 10
 
@@ -405,10 +471,26 @@ def test_yaml_alias_bomb_is_refused_in_bounded_time(tmp_path: Path) -> None:
         ("selfmap.yaml", "a: &a {b: *a}\n", r"selfmap\.yaml: config\.a\.b contains itself"),
         ("self.py", "model = {}\nmodel['m'] = model\n", r"self\.py: config\.model\.m contains itself"),
         ("deep.json", "[" * 5000 + "]" * 5000, r"deep\.json: JSON nested too deeply to parse"),
-        ("deep2.json", '{"a": ' + "[" * 100 + "]" * 100 + "}", r"deep2\.json: config\.a(\[0\])+.* is nested 65 levels deep"),
-        ("deep.toml", "a = " + "[" * 5000 + "]" * 5000 + "\n", r"deep\.toml: TOML nested too deeply to parse"),
-        ("deep.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n", r"deep\.yaml(:\d+: YAML error|: YAML nested too deeply)"),
-        ("deep.py", "x = []\nfor _ in range(5000):\n    x = [x]\n", r"deep\.py: config\.x.* is nested 65 levels deep"),
+        (
+            "deep2.json",
+            '{"a": ' + "[" * 100 + "]" * 100 + "}",
+            r"deep2\.json: config\.a(\[0\])+.* is nested 65 levels deep",
+        ),
+        (
+            "deep.toml",
+            "a = " + "[" * 5000 + "]" * 5000 + "\n",
+            r"deep\.toml: TOML nested too deeply to parse",
+        ),
+        (
+            "deep.yaml",
+            "a: " + "[" * 5000 + "]" * 5000 + "\n",
+            r"deep\.yaml(:\d+: YAML error|: YAML nested too deeply)",
+        ),
+        (
+            "deep.py",
+            "x = []\nfor _ in range(5000):\n    x = [x]\n",
+            r"deep\.py: config\.x.* is nested 65 levels deep",
+        ),
         ("bigint.json", '{"a": ' + "1" * 5000 + "}", r"bigint\.json: JSON error: Exceeds the limit"),
         ("bigint.yaml", "a: " + "1" * 5000 + "\n", r"bigint\.yaml: YAML error: Exceeds the limit"),
         ("items.yaml", "model:\n  items: 3\n", r"items\.yaml: config\.model: key 'items' is the name"),
@@ -429,7 +511,9 @@ def test_directory_and_oversized_files(tmp_path: Path) -> None:
     big = tmp_path / "big.json"
     with big.open("wb") as handle:
         handle.truncate(16 * 2**20 + 1)
-    with pytest.raises(ConfigError, match=r"big\.json: 16777217 bytes, more than the 16777216 bytes \(16 MiB\)"):
+    with pytest.raises(
+        ConfigError, match=r"big\.json: 16777217 bytes, more than the 16777216 bytes \(16 MiB\)"
+    ):
         Config.from_file(big)
 
 

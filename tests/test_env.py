@@ -30,40 +30,71 @@ ROOT = Path(__file__).resolve().parents[1]
 def torchrun_env(rank: int = 2, local: int = 0, node: int = 1) -> dict[str, str]:
     """torchrun --nnodes 2 --nproc-per-node 2, static rendezvous."""
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(local), "GROUP_RANK": str(node), "ROLE_RANK": str(rank),
-        "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "GROUP_WORLD_SIZE": "2", "ROLE_WORLD_SIZE": "4",
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29555", "TORCHELASTIC_RUN_ID": "none",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local),
+        "GROUP_RANK": str(node),
+        "ROLE_RANK": str(rank),
+        "WORLD_SIZE": "4",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29555",
+        "TORCHELASTIC_RUN_ID": "none",
     }
 
 
 def srun_env(procid: int = 3, localid: int = 1, nodeid: int = 1, job: int = 42) -> dict[str, str]:
     """srun -N2 --ntasks-per-node=2 on nodes n1, n2."""
     return {
-        "SLURM_PROCID": str(procid), "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid),
-        "SLURMD_NODENAME": f"n{nodeid + 1}", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4",
-        "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODELIST": "n[1-2]",
-        "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n[1-2]",
-        "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
-        "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "4", "SLURM_JOB_ID": str(job),
-        "SLURM_JOBID": str(job), "SLURM_STEP_ID": "0", "SLURM_STEPID": "0",
+        "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(localid),
+        "SLURM_NODEID": str(nodeid),
+        "SLURMD_NODENAME": f"n{nodeid + 1}",
+        "SLURM_NTASKS": "4",
+        "SLURM_NPROCS": "4",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2",
+        "SLURM_NODELIST": "n[1-2]",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+        "SLURM_STEP_NUM_NODES": "2",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_JOB_ID": str(job),
+        "SLURM_JOBID": str(job),
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEPID": "0",
     }
 
 
 def batch_shell_env() -> dict[str, str]:
     """The sbatch -N2 --ntasks-per-node=2 batch script itself: one process, no step."""
     return {
-        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_NTASKS": "4",
-        "SLURM_NPROCS": "4", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_JOB_NODELIST": "n[1-2]",
-        "SLURM_JOB_ID": "17", "SLURM_JOBID": "17", "SLURM_NNODES": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NTASKS": "4",
+        "SLURM_NPROCS": "4",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_JOB_ID": "17",
+        "SLURM_JOBID": "17",
+        "SLURM_NNODES": "2",
     }
 
 
 def ompi_env(rank: int = 3, local: int = 1, local_size: int = 2) -> dict[str, str]:
     """mpirun -np 4 on two fake hosts (2 slots each)."""
     return {
-        "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "4",
-        "OMPI_COMM_WORLD_LOCAL_RANK": str(local), "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
-        "OMPI_COMM_WORLD_NODE_RANK": str(local), "OMPI_UNIVERSE_SIZE": "6", "PMIX_RANK": str(rank),
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(local),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+        "OMPI_COMM_WORLD_NODE_RANK": str(local),
+        "OMPI_UNIVERSE_SIZE": "6",
+        "PMIX_RANK": str(rank),
         "OMPI_MCA_orte_num_nodes": "2",
     }
 
@@ -71,8 +102,12 @@ def ompi_env(rank: int = 3, local: int = 1, local_size: int = 2) -> dict[str, st
 def mpich_env(rank: int = 2, local: int = 0) -> dict[str, str]:
     """mpiexec.mpich -n 4 on two fake hosts."""
     return {
-        "PMI_RANK": str(rank), "PMI_SIZE": "4", "PMI_FD": "6", "MPI_LOCALRANKID": str(local),
-        "MPI_LOCALNRANKS": "2", "HYDI_CONTROL_FD": "7",
+        "PMI_RANK": str(rank),
+        "PMI_SIZE": "4",
+        "PMI_FD": "6",
+        "MPI_LOCALRANKID": str(local),
+        "MPI_LOCALNRANKS": "2",
+        "HYDI_CONTROL_FD": "7",
     }
 
 
@@ -89,8 +124,13 @@ def test_torchrun() -> None:
 
 def test_torchrun_inside_srun_is_torchrun() -> None:
     # srun -N2 --ntasks-per-node=1 torchrun --nproc-per-node 2: the worker sees both sets
-    env = {**srun_env(procid=1, localid=0, nodeid=1), "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
-           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **torchrun_env(rank=3, local=1, node=1)}
+    env = {
+        **srun_env(procid=1, localid=0, nodeid=1),
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        **torchrun_env(rank=3, local=1, node=1),
+    }
     found = detect(env)
     assert (found.launcher, found.rank, found.world_size, found.local_rank) == ("torchrun", 3, 4, 1)
 
@@ -135,8 +175,12 @@ def test_srun() -> None:
 
 def test_srun_uneven_and_hostlist_forms() -> None:
     # srun -N2 -n4 without --ntasks-per-node gave SLURM_TASKS_PER_NODE=3,1
-    env = {**srun_env(procid=3, localid=0, nodeid=1), "SLURM_STEP_TASKS_PER_NODE": "3,1",
-           "SLURM_STEP_NODELIST": "gpu-a[07-08]", "SLURM_JOB_NODELIST": "gpu-a[07-08],cpu1"}
+    env = {
+        **srun_env(procid=3, localid=0, nodeid=1),
+        "SLURM_STEP_TASKS_PER_NODE": "3,1",
+        "SLURM_STEP_NODELIST": "gpu-a[07-08]",
+        "SLURM_JOB_NODELIST": "gpu-a[07-08],cpu1",
+    }
     found = detect(env)
     assert (found.local_world_size, found.master_addr) == (1, "gpu-a07")
     env0 = {**env, "SLURM_PROCID": "0", "SLURM_NODEID": "0"}
@@ -164,8 +208,14 @@ def test_sbatch_without_srun_is_refused() -> None:
     with pytest.raises(LaunchEnvError, match=r"batch shell of Slurm job 17, .*Start the script with srun"):
         detect(batch_shell_env())
     # the shell salloc -N2 --ntasks-per-node=2 opens has no SLURM_PROCID either (seen on the test cluster)
-    salloc = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "4", "SLURM_NPROCS": "4", "SLURM_NTASKS_PER_NODE": "2",
-              "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NNODES": "2"}
+    salloc = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_NTASKS": "4",
+        "SLURM_NPROCS": "4",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_NNODES": "2",
+    }
     with pytest.raises(LaunchEnvError, match=r"salloc shell \(SLURM_NTASKS=4, no SLURM_STEP_ID\)"):
         detect(salloc)
     assert detect({"SLURM_JOB_ID": "2", "SLURM_JOB_NODELIST": "n1"}).launcher == "none"  # salloc -N1
@@ -219,17 +269,31 @@ def test_openmpi() -> None:
 def test_mpich_and_mvapich() -> None:
     found = detect(mpich_env())
     assert (found.launcher, found.rank, found.world_size, found.local_rank, found.local_world_size) == (
-        "mpich", 2, 4, 0, 2)
-    mv2 = {"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2", "MV2_COMM_WORLD_LOCAL_RANK": "1",
-           "MV2_COMM_WORLD_LOCAL_SIZE": "2"}
+        "mpich",
+        2,
+        4,
+        0,
+        2,
+    )
+    mv2 = {
+        "MV2_COMM_WORLD_RANK": "1",
+        "MV2_COMM_WORLD_SIZE": "2",
+        "MV2_COMM_WORLD_LOCAL_RANK": "1",
+        "MV2_COMM_WORLD_LOCAL_SIZE": "2",
+    }
     found = detect(mv2)
     assert (found.launcher, found.rank, found.world_size, found.local_rank) == ("mvapich", 1, 2, 1)
 
 
 def test_mpirun_inside_allocation_uses_mpi_ranks() -> None:
     # mpirun inside salloc -N2 --ntasks-per-node=2: SLURM_* describe the orted step (0,0,1,1 of 2)
-    env = {**srun_env(procid=1, localid=0, nodeid=1), "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
-           "SLURM_STEP_TASKS_PER_NODE": "1(x2)", **ompi_env(rank=3, local=1)}
+    env = {
+        **srun_env(procid=1, localid=0, nodeid=1),
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        **ompi_env(rank=3, local=1),
+    }
     found = detect(env)
     assert (found.launcher, found.rank, found.world_size, found.local_rank) == ("openmpi", 3, 4, 1)
     # mpiexec.mpich inside salloc: PMI_RANK 0..3 beside SLURM_PROCID 0,0,1,1
@@ -247,7 +311,9 @@ def test_srun_mpi_pmi2_has_no_local_rank_variable() -> None:
 def test_mpi_errors() -> None:
     with pytest.raises(LaunchEnvError, match="-pmi-port"):
         detect({"PMI_ID": "0", "PMI_PORT": "127.0.0.1:5000"})
-    with pytest.raises(LaunchEnvError, match=r"OMPI_COMM_WORLD_RANK=4 must lie in \[0, OMPI_COMM_WORLD_SIZE=4\)"):
+    with pytest.raises(
+        LaunchEnvError, match=r"OMPI_COMM_WORLD_RANK=4 must lie in \[0, OMPI_COMM_WORLD_SIZE=4\)"
+    ):
         detect(ompi_env(rank=4))
     with pytest.raises(LaunchEnvError, match="OMPI_COMM_WORLD_SIZE is not set; start the script with mpirun"):
         detect({"OMPI_COMM_WORLD_RANK": "0"})
@@ -271,17 +337,36 @@ def test_plain_process_is_a_world_of_one() -> None:
 def test_detectors_do_not_import_torch() -> None:
     for name in ("env.py", "hostlist.py"):
         tree = ast.parse((ROOT / "parallelctx" / name).read_text())
-        imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-        imported |= {(node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+        imported = {
+            alias.name.split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+        }
+        imported |= {
+            (node.module or "").split(".")[0]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+        }
         assert not imported & {"torch", "numpy", "parallelctx"}, (name, imported)
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "TORCHELASTIC_"))}
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "MV2_", "TORCHELASTIC_"))
+    }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         clean.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "parallelctx", "env", *args], env={**clean, **env},
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "parallelctx", "env", *args],
+        env={**clean, **env},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_env_table_and_json() -> None:
@@ -313,7 +398,9 @@ def test_only_plain_digits_are_integers(value: str) -> None:
         with pytest.raises(LaunchEnvError, match="RANK is not set"):
             detect(env)
         return
-    with pytest.raises(LaunchEnvError, match=r"RANK='.*' is not an integer; start the script with torchrun") as info:
+    with pytest.raises(
+        LaunchEnvError, match=r"RANK='.*' is not an integer; start the script with torchrun"
+    ) as info:
         detect(env)
     assert "plain digits 0-9" in str(info.value) and len(str(info.value)) < 300
 
@@ -321,7 +408,9 @@ def test_only_plain_digits_are_integers(value: str) -> None:
 def test_world_size_beyond_the_maximum_is_refused() -> None:
     # WORLD_SIZE=2**40 used to reach torch and fail there with a pybind TypeError
     env = {**torchrun_env(rank=0), "WORLD_SIZE": str(2**40)}
-    with pytest.raises(LaunchEnvError, match=r"WORLD_SIZE=1099511627776 is larger than .*MAX_WORLD_SIZE=16777216"):
+    with pytest.raises(
+        LaunchEnvError, match=r"WORLD_SIZE=1099511627776 is larger than .*MAX_WORLD_SIZE=16777216"
+    ):
         detect(env)
     with pytest.raises(LaunchEnvError, match="OMPI_COMM_WORLD_SIZE=1099511627776 is larger"):
         detect({**ompi_env(), "OMPI_COMM_WORLD_SIZE": str(2**40)})
@@ -329,16 +418,24 @@ def test_world_size_beyond_the_maximum_is_refused() -> None:
 
 def test_local_rank_and_node_beyond_the_world_are_refused() -> None:
     env = {k: v for k, v in ompi_env().items() if k != "OMPI_COMM_WORLD_LOCAL_SIZE"}
-    with pytest.raises(LaunchEnvError, match=r"OMPI_COMM_WORLD_LOCAL_RANK=99 must lie in \[0, OMPI_COMM_WORLD_SIZE=4\)"):
+    with pytest.raises(
+        LaunchEnvError, match=r"OMPI_COMM_WORLD_LOCAL_RANK=99 must lie in \[0, OMPI_COMM_WORLD_SIZE=4\)"
+    ):
         detect({**env, "OMPI_COMM_WORLD_LOCAL_RANK": "99"})
-    env = {k: v for k, v in srun_env().items() if k not in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")}
+    env = {
+        k: v
+        for k, v in srun_env().items()
+        if k not in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    }
     with pytest.raises(LaunchEnvError, match=r"SLURM_NODEID=7 must lie in \[0, SLURM_NTASKS=4\)"):
         detect({**env, "SLURM_NODEID": "7"})
 
 
 def test_slurm_step_id_must_be_an_integer() -> None:
     # SLURM_STEP_ID=abc used to be read as step 0 silently
-    with pytest.raises(LaunchEnvError, match="SLURM_STEP_ID='abc' is not an integer; start every task with srun"):
+    with pytest.raises(
+        LaunchEnvError, match="SLURM_STEP_ID='abc' is not an integer; start every task with srun"
+    ):
         detect({**srun_env(), "SLURM_STEP_ID": "abc"})
     assert detect({**srun_env(), "SLURM_STEP_ID": "3", "SLURM_STEPID": "3"}).master_port == slurm_port(42, 3)
 
@@ -361,9 +458,13 @@ def test_huge_slurm_node_list_is_not_expanded() -> None:
 def test_two_mpi_families_that_disagree_are_refused() -> None:
     # an Open MPI job started inside an MPICH one: OMPI used to win silently
     env = {**ompi_env(rank=3), "PMI_RANK": "0", "PMI_SIZE": "1"}
-    with pytest.raises(LaunchEnvError, match=(
+    with pytest.raises(
+        LaunchEnvError,
+        match=(
             r"OMPI_COMM_WORLD_RANK=3, OMPI_COMM_WORLD_SIZE=4 \(openmpi\) disagree with PMI_RANK=0, "
-            r"PMI_SIZE=1 \(mpich\).*unset the stale mpich variables")):
+            r"PMI_SIZE=1 \(mpich\).*unset the stale mpich variables"
+        ),
+    ):
         detect(env)
     with pytest.raises(LaunchEnvError, match="MV2_COMM_WORLD_RANK=2"):
         detect({**ompi_env(rank=3), "MV2_COMM_WORLD_RANK": "2"})

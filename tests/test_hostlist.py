@@ -106,7 +106,9 @@ def test_huge_node_list_first_host_and_count_without_expanding() -> None:
     assert count_hostlist(huge) == 100_000_000
     assert count_hostlist("n[1-2],gpu-a[1-2]b[0-1],x") == 7
     assert count_hostlist("n[1,1]") == 2
-    with pytest.raises(HostlistError, match=r"names 100000000 hosts, more than the 1048576 parallelctx expands"):
+    with pytest.raises(
+        HostlistError, match=r"names 100000000 hosts, more than the 1048576 parallelctx expands"
+    ):
         expand_hostlist(huge)
     assert expand_hostlist("n[1-4]", max_hosts=4) == ["n1", "n2", "n3", "n4"]
     with pytest.raises(HostlistError, match="names 5 hosts, more than the 4"):

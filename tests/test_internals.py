@@ -11,7 +11,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "parallelctx"
-TORCH_FREE = ["limits", "_fastenum", "layout", "config", "args", "hostlist", "env", "placement", "show", "picture", "cli"]
+TORCH_FREE = [
+    "limits",
+    "_fastenum",
+    "layout",
+    "config",
+    "args",
+    "hostlist",
+    "env",
+    "placement",
+    "show",
+    "picture",
+    "cli",
+]
 
 
 def _imports(module: str) -> list[tuple[str, bool]]:
@@ -89,7 +101,7 @@ def test_lazy_names_resolve_to_the_functions() -> None:
     assert callable(parallelctx.checkpoint) and parallelctx.checkpoint.__module__ == "parallelctx.checkpoint"
     assert set(parallelctx.__all__) <= set(dir(parallelctx))
     with pytest.raises(AttributeError, match="no attribute 'lanch'"):
-        parallelctx.lanch  # noqa: B018
+        parallelctx.lanch
 
 
 def test_every_table_covers_every_mode() -> None:
@@ -110,7 +122,10 @@ def test_fast_enum_reads_every_name_as_enum_does() -> None:
 
     from parallelctx.layout import ParallelMode
 
-    names = {n for k in ParallelMode.__mro__ for n in vars(k) if not (n.startswith("__") and n.endswith("__"))}
+    names = {
+        n for k in ParallelMode.__mro__ for n in vars(k) if not (n.startswith("__") and n.endswith("__"))
+    }
+
     def read(how: object, name: str) -> object:
         try:
             return how(ParallelMode, name)  # type: ignore[operator]
@@ -121,5 +136,8 @@ def test_fast_enum_reads_every_name_as_enum_does() -> None:
         assert read(getattr, name) == read(type.__getattribute__, name), name
     assert isinstance(ParallelMode, EnumType)
     assert ParallelMode.TENSOR is ParallelMode("tensor") is ParallelMode["TENSOR"]
-    assert repr(ParallelMode.TENSOR) == "<ParallelMode.TENSOR: 'tensor'>" and str(ParallelMode.TENSOR) == "tensor"
+    assert (
+        repr(ParallelMode.TENSOR) == "<ParallelMode.TENSOR: 'tensor'>"
+        and str(ParallelMode.TENSOR) == "tensor"
+    )
     assert ParallelMode.parse("data") is ParallelMode.DATA and len(ParallelMode) == 13

@@ -33,7 +33,7 @@ import pytest
 from parallelctx.launch import free_port
 
 sys.path.insert(0, str(Path(__file__).parent / "launchers"))
-from cluster import SlurmCluster, ensure_packages  # noqa: E402
+from cluster import SlurmCluster, ensure_packages
 
 pytestmark = pytest.mark.launchers
 
@@ -44,9 +44,26 @@ FAKE_SSH = HERE / "launchers" / "fake_ssh.sh"
 PY = sys.executable
 RUN_TIMEOUT = float(os.environ.get("PARALLELCTX_LAUNCHER_TIMEOUT", "300"))
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_", "MPI_LOCAL")
-LAUNCHER_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
-          "--mca", "btl_tcp_if_include", "lo"]
+LAUNCHER_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+MPIRUN = [
+    "mpirun",
+    "--allow-run-as-root",
+    "--oversubscribe",
+    "--mca",
+    "oob_tcp_if_include",
+    "lo",
+    "--mca",
+    "btl_tcp_if_include",
+    "lo",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,8 +75,9 @@ def packages() -> None:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, plus ``extra``."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES
+    }
     env.update(
         GLOO_SOCKET_IFNAME="lo",  # the fake host names do not resolve to an interface
         OMP_NUM_THREADS="1",
@@ -87,13 +105,25 @@ def _end(proc: subprocess.Popen[str], grace: float = 5.0) -> None:
             pass
 
 
-def run(cmd: Sequence[str] | str, env: dict[str, str], timeout: float = RUN_TIMEOUT,
-        cleanup: Sequence[str] | None = None) -> subprocess.CompletedProcess[str]:
+def run(
+    cmd: Sequence[str] | str,
+    env: dict[str, str],
+    timeout: float = RUN_TIMEOUT,
+    cleanup: Sequence[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own session. On timeout (or an interrupt) end its process group and
     run ``cleanup`` (e.g. scancel of the job)."""
     shell = isinstance(cmd, str)
-    proc = subprocess.Popen(cmd, shell=shell, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        shell=shell,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except BaseException as exc:
@@ -117,8 +147,13 @@ def results(out_dir: Path, world: int, output: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["rank"])
 
 
-def check(rows: list[dict[str, Any]], launcher: str, world: int, per_node: Sequence[int],
-          hosts: Sequence[str] | None = None) -> None:
+def check(
+    rows: list[dict[str, Any]],
+    launcher: str,
+    world: int,
+    per_node: Sequence[int],
+    hosts: Sequence[str] | None = None,
+) -> None:
     """The checks every launcher test makes on the gathered probe results.
 
     ``per_node``: processes on each node in node order (the node of rank 0 first);
@@ -162,9 +197,24 @@ def check_relaunches(rows: list[dict[str, Any]], count: int) -> None:
 # ------------------------------------------------------------------------------- host lists
 
 SLURM_HOSTLISTS = [
-    "n[1-2]", "node[001-004,010],gpu-a[1-2]", "gpu-a[1-2]b[0-1]", "rack[1-2]-n[01-02]", "node[08-11]",
-    "node[1-010]", "n[01-2]", "n[001-2]", "c[9-10],c[1,5-6]", "node[007]", "a,,b", "a, b", "x[1-2]y[5]",
-    "[1-2]", "n[1,1]", "n[1-2][3-4]", "solo", "h1,h2,h3",
+    "n[1-2]",
+    "node[001-004,010],gpu-a[1-2]",
+    "gpu-a[1-2]b[0-1]",
+    "rack[1-2]-n[01-02]",
+    "node[08-11]",
+    "node[1-010]",
+    "n[01-2]",
+    "n[001-2]",
+    "c[9-10],c[1,5-6]",
+    "node[007]",
+    "a,,b",
+    "a, b",
+    "x[1-2]y[5]",
+    "[1-2]",
+    "n[1,1]",
+    "n[1-2][3-4]",
+    "solo",
+    "h1,h2,h3",
 ]
 
 
@@ -184,8 +234,21 @@ def test_hostlist_parser_agrees_with_scontrol(tmp_path: Path) -> None:
 
 def test_torchrun_standalone(tmp_path: Path) -> None:
     # launch_from_torch, then 5 destroy/relaunch cycles on torchrun's own store and port
-    out = run([str(Path(PY).parent / "torchrun"), "--standalone", "--nproc-per-node", "4",
-               str(PROBE), str(tmp_path), "--entry", "torch", "--relaunch", "5"], clean_env())
+    out = run(
+        [
+            str(Path(PY).parent / "torchrun"),
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            str(PROBE),
+            str(tmp_path),
+            "--entry",
+            "torch",
+            "--relaunch",
+            "5",
+        ],
+        clean_env(),
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     rows = results(tmp_path, 4, out.stdout)
     check(rows, "torchrun", 4, [4])
@@ -197,8 +260,10 @@ def test_torchrun_two_hosts(tmp_path: Path) -> None:
     name = uuid.uuid4().hex[:6]
     halves = []
     for node in (0, 1):
-        torchrun = (f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank {node} "
-                    f"--master-addr 127.0.0.1 --master-port {port} {PROBE} {tmp_path}")
+        torchrun = (
+            f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank {node} "
+            f"--master-addr 127.0.0.1 --master-port {port} {PROBE} {tmp_path}"
+        )
         halves.append(f"unshare --uts sh -c 'hostname host{node}-{name} && exec {torchrun}'")
     out = run(f"{halves[0]} & {halves[1]} & wait %1 && wait %2", clean_env())
     assert out.returncode == 0, out.stdout[-4000:]
@@ -214,9 +279,29 @@ def test_torchrun_two_hosts(tmp_path: Path) -> None:
 def test_mpirun_one_host(tmp_path: Path) -> None:
     port = str(free_port())
     # launch_from_openmpi, then 5 destroy/relaunch cycles on the same MASTER_ADDR/MASTER_PORT
-    out = run([*MPIRUN, "-np", "4", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
-               "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH", PY, str(PROBE), str(tmp_path),
-               "--entry", "mpi", "--relaunch", "5"], clean_env())
+    out = run(
+        [
+            *MPIRUN,
+            "-np",
+            "4",
+            "-x",
+            "MASTER_ADDR=127.0.0.1",
+            "-x",
+            f"MASTER_PORT={port}",
+            "-x",
+            "GLOO_SOCKET_IFNAME",
+            "-x",
+            "PATH",
+            PY,
+            str(PROBE),
+            str(tmp_path),
+            "--entry",
+            "mpi",
+            "--relaunch",
+            "5",
+        ],
+        clean_env(),
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     rows = results(tmp_path, 4, out.stdout)
     check(rows, "openmpi", 4, [4])
@@ -227,9 +312,28 @@ def test_mpirun_two_fake_hosts(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA slots=2\nnodeB slots=2\n")
     port = str(free_port())
-    out = run([*MPIRUN, "-np", "4", "--hostfile", str(hostfile), "--mca", "plm_rsh_agent", str(FAKE_SSH),
-               "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", "-x", "GLOO_SOCKET_IFNAME",
-               PY, str(PROBE), str(tmp_path / "out")], clean_env())
+    out = run(
+        [
+            *MPIRUN,
+            "-np",
+            "4",
+            "--hostfile",
+            str(hostfile),
+            "--mca",
+            "plm_rsh_agent",
+            str(FAKE_SSH),
+            "-x",
+            "MASTER_ADDR=127.0.0.1",
+            "-x",
+            f"MASTER_PORT={port}",
+            "-x",
+            "GLOO_SOCKET_IFNAME",
+            PY,
+            str(PROBE),
+            str(tmp_path / "out"),
+        ],
+        clean_env(),
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path / "out", 4, out.stdout), "openmpi", 4, [2, 2], hosts=["nodeA", "nodeB"])
 
@@ -249,25 +353,59 @@ def test_mpirun_without_master_addr_fails_fast(tmp_path: Path) -> None:
 def mpi4py_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """mpi4py (binary wheel) in a folder of its own, so the project's venv stays as it is."""
     target = tmp_path_factory.mktemp("mpi4py")
-    out = run([PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary=:all:",
-               "-c", str(ROOT / "requirements" / "constraints.txt"), "--target", str(target), "mpi4py"],
-              clean_env(), timeout=300)
+    out = run(
+        [
+            PY,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            "-c",
+            str(ROOT / "requirements" / "constraints.txt"),
+            "--target",
+            str(target),
+            "mpi4py",
+        ],
+        clean_env(),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:]
     return target
 
 
 def test_mpirun_mpi4py_broadcasts_the_master(tmp_path: Path, mpi4py_dir: Path) -> None:
     # no MASTER_ADDR/MASTER_PORT: rank 0 sends its host name and a free port over MPI
-    out = run([*MPIRUN, "-np", "4", "-x", "GLOO_SOCKET_IFNAME", "-x", "PYTHONPATH", PY, str(PROBE), str(tmp_path)],
-              clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(mpi4py_dir), os.environ.get("PYTHONPATH")]))))
+    out = run(
+        [*MPIRUN, "-np", "4", "-x", "GLOO_SOCKET_IFNAME", "-x", "PYTHONPATH", PY, str(PROBE), str(tmp_path)],
+        clean_env(PYTHONPATH=os.pathsep.join(filter(None, [str(mpi4py_dir), os.environ.get("PYTHONPATH")]))),
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path, 4, out.stdout), "openmpi", 4, [4])
 
 
 def test_mpiexec_mpich_one_host(tmp_path: Path) -> None:
     port = str(free_port())
-    out = run(["mpiexec.mpich", "-n", "4", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", port,
-               PY, str(PROBE), str(tmp_path), "--relaunch", "3"], clean_env())  # launch_from_env
+    out = run(
+        [
+            "mpiexec.mpich",
+            "-n",
+            "4",
+            "-genv",
+            "MASTER_ADDR",
+            "127.0.0.1",
+            "-genv",
+            "MASTER_PORT",
+            port,
+            PY,
+            str(PROBE),
+            str(tmp_path),
+            "--relaunch",
+            "3",
+        ],
+        clean_env(),
+    )  # launch_from_env
     assert out.returncode == 0, out.stdout[-4000:]
     rows = results(tmp_path, 4, out.stdout)
     check(rows, "mpich", 4, [4])
@@ -278,9 +416,31 @@ def test_mpiexec_mpich_two_fake_hosts(tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("nodeA:2\nnodeB:2\n")
     port = str(free_port())
-    out = run(["mpiexec.mpich", "-n", "4", "-f", str(hostfile), "-launcher", "ssh", "-launcher-exec", str(FAKE_SSH),
-               "-iface", "lo", "-genv", "MASTER_ADDR", "127.0.0.1", "-genv", "MASTER_PORT", port,
-               PY, str(PROBE), str(tmp_path / "out")], clean_env())
+    out = run(
+        [
+            "mpiexec.mpich",
+            "-n",
+            "4",
+            "-f",
+            str(hostfile),
+            "-launcher",
+            "ssh",
+            "-launcher-exec",
+            str(FAKE_SSH),
+            "-iface",
+            "lo",
+            "-genv",
+            "MASTER_ADDR",
+            "127.0.0.1",
+            "-genv",
+            "MASTER_PORT",
+            port,
+            PY,
+            str(PROBE),
+            str(tmp_path / "out"),
+        ],
+        clean_env(),
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path / "out", 4, out.stdout), "mpich", 4, [2, 2], hosts=["nodeA", "nodeB"])
 
@@ -309,14 +469,18 @@ def slurm() -> Iterator[SlurmCluster]:
             signal.signal(sig, handler)
 
 
-def slurm_run(cluster: SlurmCluster, cmd: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:
+def slurm_run(
+    cluster: SlurmCluster, cmd: list[str], timeout: float = RUN_TIMEOUT
+) -> subprocess.CompletedProcess[str]:
     """Run a Slurm client command under a unique job name, cancelling the job on timeout."""
     name = f"pctx-{uuid.uuid4().hex[:8]}"
     env = clean_env(**cluster.env)
     return run([cmd[0], f"--job-name={name}", *cmd[1:]], env, timeout, cleanup=["scancel", "--name", name])
 
 
-def sbatch(cluster: SlurmCluster, args: list[str], tmp_path: Path, timeout: float = RUN_TIMEOUT) -> tuple[str, str]:
+def sbatch(
+    cluster: SlurmCluster, args: list[str], tmp_path: Path, timeout: float = RUN_TIMEOUT
+) -> tuple[str, str]:
     """Submit a batch job, poll until it ends; return (its final state line, its output)."""
     env = clean_env(**cluster.env)
     log = tmp_path / "job.out"
@@ -326,7 +490,11 @@ def sbatch(cluster: SlurmCluster, args: list[str], tmp_path: Path, timeout: floa
     end = time.monotonic() + timeout
     while True:
         state = run(["scontrol", "show", "job", job], env, timeout=60).stdout
-        if "JobState=PENDING" not in state and "JobState=RUNNING" not in state and "JobState=COMPLETING" not in state:
+        if (
+            "JobState=PENDING" not in state
+            and "JobState=RUNNING" not in state
+            and "JobState=COMPLETING" not in state
+        ):
             break
         if time.monotonic() > end:
             subprocess.run(["scancel", job], env=env, timeout=30)
@@ -339,7 +507,9 @@ def sbatch(cluster: SlurmCluster, args: list[str], tmp_path: Path, timeout: floa
 def test_srun_two_nodes(slurm: SlurmCluster, tmp_path: Path) -> None:
     # -N2 -n4 without --ntasks-per-node: Slurm puts 3 tasks on n1 and 1 on n2
     # launch_from_slurm, then 5 destroy/relaunch cycles on the port derived from the job id
-    out = slurm_run(slurm, ["srun", "-N2", "-n4", PY, str(PROBE), str(tmp_path), "--entry", "slurm", "--relaunch", "5"])
+    out = slurm_run(
+        slurm, ["srun", "-N2", "-n4", PY, str(PROBE), str(tmp_path), "--entry", "slurm", "--relaunch", "5"]
+    )
     assert out.returncode == 0, out.stdout[-4000:] + slurm.logs()
     rows = results(tmp_path, 4, out.stdout)
     check(rows, "slurm", 4, [3, 1], hosts=["n1", "n2"])
@@ -366,7 +536,9 @@ def test_sbatch_without_srun_is_refused(slurm: SlurmCluster, tmp_path: Path) -> 
 
 
 def test_salloc_shell_without_srun_is_refused(slurm: SlurmCluster, tmp_path: Path) -> None:
-    out = slurm_run(slurm, ["salloc", "-N2", "--ntasks-per-node=2", PY, str(PROBE), str(tmp_path)], timeout=180)
+    out = slurm_run(
+        slurm, ["salloc", "-N2", "--ntasks-per-node=2", PY, str(PROBE), str(tmp_path)], timeout=180
+    )
     assert out.returncode == 3, out.stdout[-3000:]
     assert "or its salloc shell (SLURM_NTASKS=4, no SLURM_STEP_ID)" in out.stdout, out.stdout[-3000:]
     assert not list(tmp_path.glob("rank-*.json"))
@@ -374,8 +546,10 @@ def test_salloc_shell_without_srun_is_refused(slurm: SlurmCluster, tmp_path: Pat
 
 def test_torchrun_inside_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
     port = free_port()
-    torchrun = (f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank $SLURM_NODEID "
-                f"--master-addr 127.0.0.1 --master-port {port} {PROBE} {tmp_path}")
+    torchrun = (
+        f"{Path(PY).parent / 'torchrun'} --nnodes 2 --nproc-per-node 2 --node-rank $SLURM_NODEID "
+        f"--master-addr 127.0.0.1 --master-port {port} {PROBE} {tmp_path}"
+    )
     out = slurm_run(slurm, ["srun", "-N2", "--ntasks-per-node=1", "sh", "-c", torchrun])
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path, 4, out.stdout), "torchrun", 4, [2, 2], hosts=["n1", "n2"])
@@ -384,8 +558,25 @@ def test_torchrun_inside_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
 def test_mpirun_inside_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
     # mpirun starts its daemons through srun; the ranks also see that step's SLURM_PROCID (0,0,1,1)
     port = str(free_port())
-    out = slurm_run(slurm, ["salloc", "-N2", "--ntasks-per-node=2", *MPIRUN, "-np", "4",
-                            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}", "-x", "GLOO_SOCKET_IFNAME",
-                            PY, str(PROBE), str(tmp_path)])
+    out = slurm_run(
+        slurm,
+        [
+            "salloc",
+            "-N2",
+            "--ntasks-per-node=2",
+            *MPIRUN,
+            "-np",
+            "4",
+            "-x",
+            "MASTER_ADDR=127.0.0.1",
+            "-x",
+            f"MASTER_PORT={port}",
+            "-x",
+            "GLOO_SOCKET_IFNAME",
+            PY,
+            str(PROBE),
+            str(tmp_path),
+        ],
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path, 4, out.stdout), "openmpi", 4, [2, 2], hosts=["n1", "n2"])

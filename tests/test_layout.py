@@ -79,11 +79,17 @@ def layouts(draw: st.DrawFn):
     expert_tensor = draw(st.sampled_from([1, tensor]))
     data = draw(st.integers(1, 6))
     world = tensor * pipeline * context * data
-    order = draw(st.sampled_from(["tp-cp-ep-dp-pp", "tp-pp-dp-cp-ep", "tp-cp-ep-pp-dp", "dp-tp-cp-ep-pp", "pp-tp-cp-ep-dp"]))
+    order = draw(
+        st.sampled_from(
+            ["tp-cp-ep-dp-pp", "tp-pp-dp-cp-ep", "tp-cp-ep-pp-dp", "dp-tp-cp-ep-pp", "pp-tp-cp-ep-dp"]
+        )
+    )
     try:
         return plan(world, tensor, pipeline, context, expert, expert_tensor, order)
     except LayoutError:
-        return plan(world, tensor, pipeline, context, order=order if order.endswith("pp") else "tp-cp-ep-dp-pp")
+        return plan(
+            world, tensor, pipeline, context, order=order if order.endswith("pp") else "tp-cp-ep-dp-pp"
+        )
 
 
 @settings(max_examples=300, deadline=None)
@@ -103,9 +109,13 @@ def test_invariants(layout) -> None:
                 assert layout.group_of(mode, r) == row
                 assert layout.local_rank(mode, r) == row.index(r)
     # orthogonality: a tensor group and a data group (or pipeline group) share at most one rank
-    pairs = [(ParallelMode.TENSOR, ParallelMode.DATA), (ParallelMode.TENSOR, ParallelMode.PIPELINE),
-             (ParallelMode.DATA, ParallelMode.PIPELINE), (ParallelMode.CONTEXT, ParallelMode.DATA),
-             (ParallelMode.EXPERT, ParallelMode.EXPERT_DATA)]
+    pairs = [
+        (ParallelMode.TENSOR, ParallelMode.DATA),
+        (ParallelMode.TENSOR, ParallelMode.PIPELINE),
+        (ParallelMode.DATA, ParallelMode.PIPELINE),
+        (ParallelMode.CONTEXT, ParallelMode.DATA),
+        (ParallelMode.EXPERT, ParallelMode.EXPERT_DATA),
+    ]
     for a, b in pairs:
         for r in range(0, world, max(1, world // 7)):
             assert len(set(layout.group_of(a, r)) & set(layout.group_of(b, r))) == 1
@@ -114,7 +124,13 @@ def test_invariants(layout) -> None:
     for r in range(world):
         c = layout.coords(r)
         assert r == sum(c[t] * dense[t] for t in ("tp", "cp", "dp", "pp"))
-        assert r == c["etp"] * expert["tp"] + c["ep"] * expert["ep"] + c["edp"] * expert["dp"] + c["pp"] * expert["pp"]
+        assert (
+            r
+            == c["etp"] * expert["tp"]
+            + c["ep"] * expert["ep"]
+            + c["edp"] * expert["dp"]
+            + c["pp"] * expert["pp"]
+        )
     # the expert grid reuses the dense pipeline groups
     assert layout.groups("pipeline") == layout.group_array("pipeline").tolist()
     # identical signatures mean identical groups
@@ -145,9 +161,14 @@ def test_model_is_tensor_times_pipeline() -> None:
         (dict(world_size=8, order="tp-dp-tp"), "repeats tp"),
         (dict(world_size=8, order=""), "must be a string"),
         (dict(world_size=8, context=2, order="tp-pp-dp"), "leaves out 'cp' but the context size is 2"),
-        (dict(world_size=8, expert=3), "expert_tensor=1 x expert=3 x pipeline=1 = 3 does not divide world_size=8"),
-        (dict(world_size=16, tensor=2, pipeline=2, expert=4, expert_tensor=1, order="tp-cp-ep-pp-dp"),
-         "does not end with 'pp'"),
+        (
+            dict(world_size=8, expert=3),
+            "expert_tensor=1 x expert=3 x pipeline=1 = 3 does not divide world_size=8",
+        ),
+        (
+            dict(world_size=16, tensor=2, pipeline=2, expert=4, expert_tensor=1, order="tp-cp-ep-pp-dp"),
+            "does not end with 'pp'",
+        ),
     ],
 )
 def test_errors_name_the_values(kwargs, message) -> None:

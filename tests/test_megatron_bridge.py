@@ -31,7 +31,16 @@ P = "tp-cp-ep-pp-dp"
 CASES: list[dict[str, Any]] = [
     {"name": "dense", "tp": 2, "pp": 2, "cp": 1, "ep": 1, "etp": 2, "order": D, "uninstall_by": "uninstall"},
     {"name": "context", "tp": 2, "pp": 2, "cp": 2, "ep": 1, "etp": 2, "order": D},
-    {"name": "expert_etp1", "tp": 2, "pp": 2, "cp": 1, "ep": 2, "etp": 1, "order": D, "uninstall_by": "uninstall"},
+    {
+        "name": "expert_etp1",
+        "tp": 2,
+        "pp": 2,
+        "cp": 1,
+        "ep": 2,
+        "etp": 1,
+        "order": D,
+        "uninstall_by": "uninstall",
+    },
     {"name": "pp_not_last", "tp": 2, "pp": 2, "cp": 1, "ep": 2, "etp": 1, "order": P},
     {"name": "tp1_context", "tp": 1, "pp": 2, "cp": 2, "ep": 1, "etp": 1, "order": D},
     {"name": "pp4_virtual", "tp": 1, "pp": 4, "cp": 1, "ep": 1, "etp": 1, "order": D, "vpp": 2},
@@ -61,8 +70,13 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 def _layout(case: dict[str, Any]) -> Any:
     return plan(
-        WORLD, tensor=case["tp"], pipeline=case["pp"], context=case["cp"], expert=case["ep"],
-        expert_tensor=case["etp"], order=case["order"],
+        WORLD,
+        tensor=case["tp"],
+        pipeline=case["pp"],
+        context=case["cp"],
+        expert=case["ep"],
+        expert_tensor=case["etp"],
+        order=case["order"],
     )
 
 
@@ -71,7 +85,9 @@ def _megatron_ranks(case: dict[str, Any], token: str, rank: int) -> list[int]:
     from megatron.core.parallel_state import RankGenerator
 
     dp = WORLD // (case["tp"] * case["pp"] * case["cp"])
-    gen = RankGenerator(tp=case["tp"], ep=1, dp=dp, pp=case["pp"], cp=case["cp"], order=case["order"], rank_offset=0)
+    gen = RankGenerator(
+        tp=case["tp"], ep=1, dp=dp, pp=case["pp"], cp=case["cp"], order=case["order"], rank_offset=0
+    )
     return next(g for g in gen.get_ranks(token) if rank in g)
 
 
@@ -80,16 +96,28 @@ def test_getters_are_discovered(records: list[dict[str, Any]]) -> None:
     calls = sum(len(v) for v in getters.values())
     # every getter the bridge is about, found by inspect rather than listed by hand
     for name in (
-        "get_tensor_and_data_parallel_group", "get_tensor_and_context_parallel_group",
-        "get_position_embedding_group", "get_amax_reduction_group", "get_data_parallel_group_gloo",
-        "get_expert_data_parallel_group_gloo", "is_pipeline_last_stage", "model_parallel_is_initialized",
-        "get_intra_distributed_optimizer_instance_group", "get_virtual_pipeline_model_parallel_world_size",
+        "get_tensor_and_data_parallel_group",
+        "get_tensor_and_context_parallel_group",
+        "get_position_embedding_group",
+        "get_amax_reduction_group",
+        "get_data_parallel_group_gloo",
+        "get_expert_data_parallel_group_gloo",
+        "is_pipeline_last_stage",
+        "model_parallel_is_initialized",
+        "get_intra_distributed_optimizer_instance_group",
+        "get_virtual_pipeline_model_parallel_world_size",
     ):
         assert name in getters, name
     assert len(getters) == 62, sorted(getters)  # megatron-core 0.16.1
     assert calls == 131  # every keyword combination
-    assert set(excluded) >= {"initialize_model_parallel", "destroy_model_parallel", "set_tensor_model_parallel_rank"}
-    assert not any(name.startswith(("get_", "is_", "has_")) and "required" not in why for name, why in excluded.items())
+    assert set(excluded) >= {
+        "initialize_model_parallel",
+        "destroy_model_parallel",
+        "set_tensor_model_parallel_rank",
+    }
+    assert not any(
+        name.startswith(("get_", "is_", "has_")) and "required" not in why for name, why in excluded.items()
+    )
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
@@ -110,10 +138,12 @@ def test_answers_are_the_real_layout(records: list[dict[str, Any]], index: int) 
     for rec in records:
         r, ours = rec["rank"], rec["cases"][index]["ours"]
         M = ParallelMode
-        assert ours["get_tensor_model_parallel_group(check_initialized=True)"]["group"] == layout.group_of(M.TENSOR, r)
-        assert ours["get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"][
-            "group"
-        ] == layout.group_of(M.EXPERT_DATA, r)
+        assert ours["get_tensor_model_parallel_group(check_initialized=True)"]["group"] == layout.group_of(
+            M.TENSOR, r
+        )
+        assert ours[
+            "get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"
+        ]["group"] == layout.group_of(M.EXPERT_DATA, r)
         tdc = "get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=True)"
         assert ours[tdc]["group"] == _megatron_ranks(case, "tp-dp-cp", r)
         tc = "get_tensor_and_context_parallel_group(check_initialized=True)"
@@ -212,7 +242,9 @@ def test_clear_errors(records: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------- one process
 def test_missing_megatron_names_the_extra() -> None:
     code = "import sys; sys.modules['megatron'] = None\nimport parallelctx.megatron"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode != 0
     assert "pip install 'parallelctx[megatron]'" in done.stderr
 

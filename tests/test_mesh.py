@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from probes import probe_group
 
 import parallelctx
 from parallelctx import LayoutError, ParallelMode, gpc, plan
 from parallelctx.mesh import MESH_DIMS, MeshError, build_device_mesh, mesh_plan
-from probes import probe_group
 
 JOIN_TIMEOUT = 240.0
 
@@ -289,7 +289,10 @@ EIGHT_LAYOUT = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1)
 
 def test_every_mesh_dimension_is_its_group_8_ranks(eight_ranks: list[dict[str, Any]]) -> None:
     # cp (dense) and etp (expert) have size 1: dimensions on the one-rank group, probed like the rest
-    assert eight_ranks[0]["dim_names"] == {"dense": ["pp", "dp", "cp", "tp"], "expert": ["pp", "edp", "ep", "etp"]}
+    assert eight_ranks[0]["dim_names"] == {
+        "dense": ["pp", "dp", "cp", "tp"],
+        "expert": ["pp", "edp", "ep", "etp"],
+    }
     _check_dims(EIGHT_LAYOUT, eight_ranks, ("dense", "expert"))
     assert all(r["missing_raise_keyerror"] == ["dense.etp", "expert.tp", "expert.cp"] for r in eight_ranks)
 
@@ -339,4 +342,4 @@ def test_device_mesh_before_launch_raises() -> None:
     from parallelctx import NotLaunchedError
 
     with pytest.raises(NotLaunchedError, match="device_mesh"):
-        gpc.device_mesh  # noqa: B018
+        gpc.device_mesh

@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from mp_workers import _record, case_config
 
 import parallelctx
 from parallelctx import NotLaunchedError, ParallelMode, gpc, plan
-
-from mp_workers import _record, case_config
 
 WORLD = 8
 FACTORISATIONS = [(t, p) for t in (1, 2, 4, 8) for p in (1, 2, 4, 8) if t * p <= WORLD]
@@ -115,14 +114,22 @@ def test_seed_properties_across_ranks(parallel_layout: dict[str, Any]) -> None:
         return tuple(every[rank]["draws"][mode.value][0])
 
     for group in layout.groups(ParallelMode.TENSOR):
-        assert len({first(r, ParallelMode.GLOBAL) for r in group}) == 1, "default stream same in a tensor group"
-        assert len({first(r, ParallelMode.TENSOR) for r in group}) == len(group), "tensor stream differs per tp rank"
+        assert len({first(r, ParallelMode.GLOBAL) for r in group}) == 1, (
+            "default stream same in a tensor group"
+        )
+        assert len({first(r, ParallelMode.TENSOR) for r in group}) == len(group), (
+            "tensor stream differs per tp rank"
+        )
     for group in layout.groups(ParallelMode.DATA):
-        assert len({first(r, ParallelMode.TENSOR) for r in group}) == 1, "tensor stream same across data replicas"
+        assert len({first(r, ParallelMode.TENSOR) for r in group}) == 1, (
+            "tensor stream same across data replicas"
+        )
         assert len({first(r, ParallelMode.DATA) for r in group}) == 1, "data stream same across a data group"
     for group in layout.groups(ParallelMode.PIPELINE):
-        assert len({first(r, ParallelMode.DATA) for r in group}) == len(group), "data stream differs per stage"
-    for rank, entry in every.items():
+        assert len({first(r, ParallelMode.DATA) for r in group}) == len(group), (
+            "data stream differs per stage"
+        )
+    for entry in every.values():
         seeds = list(entry["seeds"].values())
         assert len(set(seeds)) == len(seeds), "modes never share a starting seed"
         for mode in ParallelMode:
@@ -130,7 +137,10 @@ def test_seed_properties_across_ranks(parallel_layout: dict[str, Any]) -> None:
                 continue
             # the stream starts at its seed and the second block continues where the first stopped
             gen = torch.Generator().manual_seed(entry["seeds"][mode.value])
-            assert entry["draws"][mode.value][0] + entry["draws"][mode.value][1] == torch.rand(8, generator=gen).tolist()
+            assert (
+                entry["draws"][mode.value][0] + entry["draws"][mode.value][1]
+                == torch.rand(8, generator=gen).tolist()
+            )
 
 
 @pytest.mark.parallel(world_size=WORLD, config=CONFIG, tensor=2, pipeline=2)
@@ -142,9 +152,14 @@ def test_destroy_then_launch_again(tmp_path) -> None:
     with pytest.raises(NotLaunchedError):
         gpc.get_local_rank(ParallelMode.TENSOR)
     with pytest.raises(NotLaunchedError):
-        gpc.tensor.rank  # noqa: B018
-    parallelctx.launch(case_config({"tensor": 4}), rank=rank, world_size=WORLD, local_rank=rank,
-                       init_method=f"file://{tmp_path}/rendezvous")
+        gpc.tensor.rank
+    parallelctx.launch(
+        case_config({"tensor": 4}),
+        rank=rank,
+        world_size=WORLD,
+        local_rank=rank,
+        init_method=f"file://{tmp_path}/rendezvous",
+    )
     assert gpc.get_world_size(ParallelMode.TENSOR) == 4
     assert _record({"tensor": 4})["modes"]["tensor"]["measured"]["order"] == plan(WORLD, tensor=4).group_of(
         ParallelMode.TENSOR, rank
@@ -162,7 +177,8 @@ def test_group_creations_are_a_small_constant(parallel_layout: dict[str, Any]) -
             distinct = {
                 layout.signature(m)
                 for m in ParallelMode
-                if len(layout.group_of(m, rank)) > 1 and layout.signature(m) != layout.signature(ParallelMode.GLOBAL)
+                if len(layout.group_of(m, rank)) > 1
+                and layout.signature(m) != layout.signature(ParallelMode.GLOBAL)
             }
             # plus one one-rank group that every size-1 mode of this rank shares
             alone = any(len(layout.group_of(m, rank)) == 1 for m in ParallelMode)

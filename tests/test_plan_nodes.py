@@ -47,7 +47,11 @@ def expected_warnings(world: int, t: int, c: int, p: int, e: int, et: int, order
     out = set()
     if world % g:
         out.add(("uneven_nodes", None))
-    for mode, axis, sizes in (("tensor", "tp", dense), ("context", "cp", dense), ("expert_tensor", "tp", expert)):
+    for mode, axis, sizes in (
+        ("tensor", "tp", dense),
+        ("context", "cp", dense),
+        ("expert_tensor", "tp", expert),
+    ):
         if sizes[axis] > 1 and brute_crossing(world, order, sizes, axis, g):
             out.add(("crosses_nodes", mode))
     return out
@@ -79,7 +83,23 @@ def test_node_warning_exactly_when_a_group_crosses_nodes(t, c, p, d, e, et, orde
 
 def test_warning_names_the_fix(capsys) -> None:
     # tensor on the slow side of data: each tensor group straddles two nodes of 4
-    assert main(["plan", "--world-size", "16", "--tensor", "4", "--order", "dp-tp", "--nproc-per-node", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--world-size",
+                "16",
+                "--tensor",
+                "4",
+                "--order",
+                "dp-tp",
+                "--nproc-per-node",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     printed = json.loads(captured.out)
     kinds = {(w["kind"], w["mode"]) for w in printed["warnings"]}
@@ -88,7 +108,23 @@ def test_warning_names_the_fix(capsys) -> None:
     assert "warning: 4 of 4 tensor groups (size 4) span up to" in captured.err
     assert printed["placement"]["modes"]["tensor"]["max_nodes"] == 4
     # the suggested order is quiet
-    assert main(["plan", "--world-size", "16", "--tensor", "4", "--order", "tp-cp-dp", "--nproc-per-node", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--world-size",
+                "16",
+                "--tensor",
+                "4",
+                "--order",
+                "tp-cp-dp",
+                "--nproc-per-node",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["warnings"] == []
 
 
@@ -97,7 +133,10 @@ def test_sizes_too_large_for_a_node_and_uneven_nodes() -> None:
     assert [w.mode for w in warnings] == ["tensor", "expert_tensor"]
     assert "at most nproc_per_node=4" in warnings[0].suggestion
     uneven = placement_warnings(plan(12, tensor=2), 8)
-    assert uneven[0].kind == "uneven_nodes" and "nproc_per_node=8 does not divide world_size=12" in uneven[0].message
+    assert (
+        uneven[0].kind == "uneven_nodes"
+        and "nproc_per_node=8 does not divide world_size=12" in uneven[0].message
+    )
     with pytest.raises(LayoutError, match="nproc_per_node=0 must be a positive integer"):
         placement_warnings(plan(8), 0)
 
@@ -123,9 +162,27 @@ def test_json_keys_kept_and_extended(capsys) -> None:
 
 
 def test_config_and_nodes(capsys) -> None:
-    assert main(["plan", "--config", str(ROOT / "configs/demo_3d.py"), "--nodes", "2", "--nproc-per-node", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--config",
+                str(ROOT / "configs/demo_3d.py"),
+                "--nodes",
+                "2",
+                "--nproc-per-node",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
-    assert printed == {**plan(8, tensor=2, pipeline=2).to_dict(), "placement": printed["placement"], "warnings": []}
+    assert printed == {
+        **plan(8, tensor=2, pipeline=2).to_dict(),
+        "placement": printed["placement"],
+        "warnings": [],
+    }
     assert main(["plan", "--tensor", "2"]) == 2
     assert "give --world-size N, or --nodes N with --nproc-per-node G" in capsys.readouterr().err
 
@@ -136,15 +193,25 @@ def test_large_world_json_is_summarised(tmp_path, capsys) -> None:
     assert len(out.out) < 50_000 and "--output FILE" in out.err
     summary = json.loads(out.out)
     assert summary["truncated"] and summary["summary"]["tensor"] == {
-        "group_size": 8, "groups": 131072, "first": [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15],
-                                                      [16, 17, 18, 19, 20, 21, 22, 23], [24, 25, 26, 27, 28, 29, 30, 31]]}
+        "group_size": 8,
+        "groups": 131072,
+        "first": [
+            [0, 1, 2, 3, 4, 5, 6, 7],
+            [8, 9, 10, 11, 12, 13, 14, 15],
+            [16, 17, 18, 19, 20, 21, 22, 23],
+            [24, 25, 26, 27, 28, 29, 30, 31],
+        ],
+    }
     target = tmp_path / "plan.json"
     assert main(["plan", "--world-size", "64", "--tensor", "4", "--output", str(target)]) == 0
     assert json.loads(target.read_text()) == plan(64, tensor=4).to_dict()
 
 
 def test_text_readable_for_1024_ranks(capsys) -> None:
-    assert main(["plan", "--world-size", "1024", "--tensor", "8", "--pipeline", "4", "--nproc-per-node", "8"]) == 0
+    assert (
+        main(["plan", "--world-size", "1024", "--tensor", "8", "--pipeline", "4", "--nproc-per-node", "8"])
+        == 0
+    )
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert len(lines) < 60 and max(map(len, lines)) <= 120
@@ -175,10 +242,10 @@ def _png_chunks(data: bytes) -> dict[bytes, list[bytes]]:
     chunks: dict[bytes, list[bytes]] = {}
     pos = 8
     while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind = data[pos + 4:pos + 8]
-        body = data[pos + 8:pos + 8 + length]
-        assert zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind = data[pos + 4 : pos + 8]
+        body = data[pos + 8 : pos + 8 + length]
+        assert zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])[0]
         chunks.setdefault(kind, []).append(body)
         pos += 12 + length
     return chunks
@@ -188,8 +255,24 @@ def test_png_has_one_panel_per_mode(tmp_path) -> None:
     from parallelctx.picture import picture_modes
 
     target = tmp_path / "plan.png"
-    assert main(["plan", "--world-size", "16", "--tensor", "2", "--pipeline", "2", "--nproc-per-node", "8",
-                 "--png", str(target)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--world-size",
+                "16",
+                "--tensor",
+                "2",
+                "--pipeline",
+                "2",
+                "--nproc-per-node",
+                "8",
+                "--png",
+                str(target),
+            ]
+        )
+        == 0
+    )
     chunks = _png_chunks(target.read_bytes())
     width, height = struct.unpack(">II", chunks[b"IHDR"][0][:8])
     assert width >= 800 and height >= 300

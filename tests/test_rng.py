@@ -8,7 +8,7 @@ import json
 import pickle
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.utils.checkpoint as tc
+from mp_workers import seed_table_worker
 
 import parallelctx
 from parallelctx import REPLICA, ParallelMode, gpc, plan
 from parallelctx.checkpoint import _Replay
 from parallelctx.seed import STREAM_SLOTS, STREAMS, mode_seed
-
-from mp_workers import seed_table_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 M = ParallelMode
@@ -51,6 +50,7 @@ def _nested(ck: Callable[..., Any], reentrant: bool) -> Callable[[torch.Tensor],
         with gpc.seed(M.CONTEXT):
             x = torch.nn.functional.dropout(x, 0.4)
         return ck(_block, x.sin(), use_reentrant=reentrant) + x
+
     return outer
 
 
@@ -74,7 +74,7 @@ def _train_step(ck: Callable[..., Any] | None, reentrant: bool, nested: bool) ->
         out = ck(_nested(ck, reentrant), h, use_reentrant=reentrant)
     else:
         out = ck(_block, h, use_reentrant=reentrant)
-    (out ** 2).sum().backward()
+    (out**2).sum().backward()
     result = (out.detach(), x.grad, w.grad, _after_draws())
     gpc.set_rng_state(start)
     return result
@@ -114,7 +114,9 @@ def test_checkpoint_without_the_restore_fails(launched: None, monkeypatch: pytes
 
     monkeypatch.setattr(_Replay, "recompute", lambda self: contextlib.nullcontext())
     for reentrant in (True, False):
-        assert not _same(_train_step(None, reentrant, False), _train_step(parallelctx.checkpoint, reentrant, False))
+        assert not _same(
+            _train_step(None, reentrant, False), _train_step(parallelctx.checkpoint, reentrant, False)
+        )
 
 
 def test_checkpoint_before_launch_is_torchs() -> None:
@@ -218,8 +220,13 @@ def test_seed_table_holds_on_8_ranks(tmp_path: Path) -> None:
     assert set(table) == {str(s) for s in STREAMS}, "docs/seeds.md must have a row per stream"
     layouts = {"a": {"tensor": 2, "pipeline": 2, "expert": 2}, "b": {"tensor": 2, "context": 2}}
     parallelctx.spawn(
-        seed_table_worker, 8, args=(str(tmp_path), layouts), config={"parallel": layouts["a"]},
-        backend="gloo", timeout=120, join_timeout=300,
+        seed_table_worker,
+        8,
+        args=(str(tmp_path), layouts),
+        config={"parallel": layouts["a"]},
+        backend="gloo",
+        timeout=120,
+        join_timeout=300,
     )
     draws = {k: json.loads((tmp_path / f"{k}.json").read_text()) for k in layouts}
     checked = 0
@@ -230,6 +237,8 @@ def test_seed_table_holds_on_8_ranks(tmp_path: Path) -> None:
             for group in layout.groups(mode):
                 values = {tuple(draws[which][str(r)][stream]) for r in group}
                 seen = "same" if len(values) == 1 else "differs" if len(values) == len(group) else "mixed"
-                assert seen == cells[axis], f"{stream} across {axis} group {group}: {seen}, docs say {cells[axis]}"
+                assert seen == cells[axis], (
+                    f"{stream} across {axis} group {group}: {seen}, docs say {cells[axis]}"
+                )
                 checked += 1
     assert checked == len(table) * (4 + 4 + 4 + 4 + 4)  # every cell, on every group of its mode

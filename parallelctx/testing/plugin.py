@@ -352,7 +352,7 @@ def _arguments(item: pytest.Function) -> dict[str, Any]:
         value = item.funcargs[name]
         try:
             pickle.dumps(value)
-        except Exception as exc:  # noqa: BLE001 - any pickling error is reported the same way
+        except Exception as exc:
             raise MarkerError(
                 f"argument {name!r} of a parallel test does not pickle ({type(exc).__name__}: {exc}); "
                 "every rank "

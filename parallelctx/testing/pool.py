@@ -101,7 +101,7 @@ def pick_devices(world_size: int, devices: str = "auto") -> str:
         import torch
 
         count = torch.cuda.device_count()
-    except Exception:  # noqa: BLE001 - a broken CUDA install means no GPUs here
+    except Exception:
         count = 0
     return "cuda" if count >= world_size else "cpu"
 

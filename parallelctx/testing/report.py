@@ -56,7 +56,7 @@ def _failure_class(exc_types: set[tuple[str, str] | None]) -> type[RankFailure]:
         if not isinstance(obj, type) or not issubclass(obj, BaseException) or issubclass(obj, Failed):
             return RankFailure
         return type("RankFailure", (RankFailure, obj), {"__module__": "builtins"})
-    except Exception:  # noqa: BLE001 - not importable here, or a layout that does not mix
+    except Exception:
         return RankFailure
 
 
@@ -161,6 +161,6 @@ def raise_for(outcome: RunOutcome, timeout: float, layout: str | None = None) ->
 def _raise(cls: type[RankFailure], report: str) -> NoReturn:
     try:
         exc = cls(report, pytrace=False)
-    except Exception:  # noqa: BLE001 - the mixed class would not construct
+    except Exception:
         exc = RankFailure(report, pytrace=False)
     raise exc

@@ -75,7 +75,7 @@ def _install_reprcompare(verbose: int) -> None:
                     assertion_text_diff_style="ndiff",
                 )
             )
-        except Exception:  # noqa: BLE001 - another pytest version's signature: keep the plain explanation
+        except Exception:
             return None
         if not lines:
             return None
@@ -120,7 +120,7 @@ def load_module(name: str, file: str) -> types.ModuleType:
     module.__spec__ = importlib.util.spec_from_file_location(name, file)
     sys.modules[name] = module
     try:
-        exec(code, module.__dict__)  # noqa: S102 - running the test module, as an import does
+        exec(code, module.__dict__)
     except BaseException:
         sys.modules.pop(name, None)
         _LOADED.pop(name, None)
@@ -167,7 +167,7 @@ def _format_failure(exc: BaseException, func: Any, tbstyle: str) -> str:
         info.traceback = cut
         style: Literal["long", "short"] = "long" if tbstyle in ("auto", "long") else "short"
         return str(info.getrepr(style=style, funcargs=False, truncate_locals=True))
-    except Exception:  # noqa: BLE001 - pytest internals changed: fall back to the standard format
+    except Exception:
         return "".join(std_traceback.format_exception(exc))
 
 
@@ -232,7 +232,7 @@ def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         result.update(outcome="skipped", message=exc.msg or "skipped")
     except XFailed as exc:
         result.update(outcome="xfailed", message=exc.msg or "xfail")
-    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the controller
+    except BaseException as exc:
         result.update(
             outcome="failed",
             message=f"{type(exc).__name__}: {exc}",
@@ -244,7 +244,7 @@ def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]
         try:
             _hold_groups()
             gpc.destroy()
-        except BaseException as exc:  # noqa: BLE001 - reported, and the pool is replaced
+        except BaseException as exc:
             import traceback
 
             result.update(

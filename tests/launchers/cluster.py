@@ -68,9 +68,13 @@ def ensure_packages(packages: Sequence[str] = PACKAGES, timeout: float = 600) ->
         if out.returncode != 0:
             raise ClusterError(f"apt-get update failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
         APT_STAMP.touch()
-    out = _run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], timeout=timeout, env=env)
+    out = _run(
+        ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing], timeout=timeout, env=env
+    )
     if out.returncode != 0:
-        raise ClusterError(f"apt-get install {' '.join(missing)} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
+        raise ClusterError(
+            f"apt-get install {' '.join(missing)} failed:\n{out.stdout[-3000:]}{out.stderr[-3000:]}"
+        )
     return missing
 
 
@@ -120,8 +124,14 @@ class SlurmCluster:
     own config. Use as a context manager or call :meth:`start` and :meth:`stop`.
     """
 
-    def __init__(self, workdir: Path = Path("/tmp/parallelctx-slurm"), nodes: int = 2,
-                 cpus_per_node: int = 4, ctld_port: int = 16817, node_port: int = 16900) -> None:
+    def __init__(
+        self,
+        workdir: Path = Path("/tmp/parallelctx-slurm"),
+        nodes: int = 2,
+        cpus_per_node: int = 4,
+        ctld_port: int = 16817,
+        node_port: int = 16900,
+    ) -> None:
         self.workdir = workdir
         self.names = [f"n{i + 1}" for i in range(nodes)]
         self.cpus_per_node = cpus_per_node
@@ -170,7 +180,9 @@ class SlurmCluster:
                 f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={self.node_port + i} "
                 f"CPUs={self.cpus_per_node} RealMemory=1000 State=UNKNOWN"
             )
-        lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE")
+        lines.append(
+            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE"
+        )
         self.conf.write_text("\n".join(lines) + "\n")
 
     def _record(self, name: str, pid: int) -> None:
@@ -182,7 +194,9 @@ class SlurmCluster:
         def works() -> bool:
             try:
                 cred = _run(["munge", "-n"], timeout=10)
-                return cred.returncode == 0 and _run(["unmunge"], timeout=10, input=cred.stdout).returncode == 0
+                return (
+                    cred.returncode == 0 and _run(["unmunge"], timeout=10, input=cred.stdout).returncode == 0
+                )
             except subprocess.TimeoutExpired:
                 return False
 
@@ -214,7 +228,7 @@ class SlurmCluster:
             lines.append(f"127.0.0.1 {' '.join(self.names)} {HOSTS_MARK}")
         hosts.write_text("\n".join(lines) + "\n")
 
-    def start(self, timeout: float = 60) -> "SlurmCluster":
+    def start(self, timeout: float = 60) -> SlurmCluster:
         """Start munged (if needed), slurmctld and the slurmds; wait until every node is idle.
 
         Returns:
@@ -240,8 +254,11 @@ class SlurmCluster:
                 raise ClusterError(f"slurmctld did not start: {out.stderr}")
             self._record("slurmctld", int(_wait_file(self.workdir / "slurmctld.pid", 20)))
             for name in self.names:
-                out = _run(["unshare", "--uts", "/bin/sh", "-c", f"hostname {name} && exec slurmd -N {name}"],
-                           timeout=30, env=env)
+                out = _run(
+                    ["unshare", "--uts", "/bin/sh", "-c", f"hostname {name} && exec slurmd -N {name}"],
+                    timeout=30,
+                    env=env,
+                )
                 if out.returncode != 0:
                     raise ClusterError(f"slurmd -N {name} did not start: {out.stderr}")
                 self._record("slurmd", int(_wait_file(self.workdir / f"slurmd-{name}.pid", 20)))
@@ -261,7 +278,9 @@ class SlurmCluster:
         """Return the last ``tail`` lines of every daemon log."""
         parts = []
         for log in sorted(self.workdir.glob("*.log")):
-            parts.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-tail:]))
+            parts.append(
+                f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-tail:])
+            )
         return "\n".join(parts)
 
     def cancel_jobs(self, timeout: float = 30) -> None:
@@ -292,7 +311,7 @@ class SlurmCluster:
         if Path("/etc/hosts").is_file() and os.access("/etc/hosts", os.W_OK):
             self._set_hosts(add=False)
 
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -28,8 +28,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--entry", default="env", choices=["env", "slurm", "mpi", "torch"])
     parser.add_argument("--timeout", type=float, default=240.0, help="distributed timeout (s)")
-    parser.add_argument("--relaunch", type=int, default=0,
-                        help="then destroy and launch again this many times (same entry point, host and port)")
+    parser.add_argument(
+        "--relaunch",
+        type=int,
+        default=0,
+        help="then destroy and launch again this many times (same entry point, host and port)",
+    )
     args = parser.parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -64,8 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     # one more collective: every rank reports its detected local rank and host, gathered by all
     gathered: list = [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, (rank, found.local_rank, socket.gethostname()),
-                               group=gpc.get_cpu_group(ParallelMode.GLOBAL))
+        dist.all_gather_object(
+            gathered,
+            (rank, found.local_rank, socket.gethostname()),
+            group=gpc.get_cpu_group(ParallelMode.GLOBAL),
+        )
     else:
         gathered = [(rank, found.local_rank, socket.gethostname())]
     result = {
