@@ -580,3 +580,32 @@ def test_mpirun_inside_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stdout[-4000:]
     check(results(tmp_path, 4, out.stdout), "openmpi", 4, [2, 2], hosts=["n1", "n2"])
+
+
+# ------------------------------------------------------------------------------- parallelctx check
+CHECK = ["-m", "parallelctx", "check", "--json", "--quiet", "--sizes", "4KiB", "--iters", "2", "--warmup", "1"]
+
+
+def _check_json(output: str) -> dict[str, Any]:
+    """The one JSON object rank 0 printed."""
+    for line in output.splitlines():
+        if line.startswith("{") and '"ok"' in line:
+            return json.loads(line)
+    raise AssertionError(f"no JSON report in the output:\n{output[-4000:]}")
+
+
+def test_check_command_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
+    (tmp_path / "tp2.json").write_text(json.dumps({"parallel": {"tensor": 2}}))
+    out = slurm_run(slurm, ["srun", "-N2", "--ntasks-per-node=2", PY, *CHECK, "--config", str(tmp_path / "tp2.json")])
+    assert out.returncode == 0, out.stdout[-4000:] + slurm.logs()
+    report = _check_json(out.stdout)
+    assert report["ok"] is True and report["world_size"] == 4, report
+
+
+def test_check_command_under_mpirun(tmp_path: Path) -> None:
+    port = str(free_port())
+    out = run([*MPIRUN, "-np", "4", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
+               "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH", PY, *CHECK], clean_env())
+    assert out.returncode == 0, out.stdout[-4000:]
+    report = _check_json(out.stdout)
+    assert report["ok"] is True and report["world_size"] == 4, report
