@@ -113,7 +113,9 @@ def _waiting(what: Callable[[], str]) -> Iterator[None]:
     try:
         yield
     except KeyboardInterrupt as exc:
-        exc.add_note(f"parallelctx: interrupted while waiting for {what()}")
+        exc.add_note(
+            f"parallelctx: interrupted while waiting for {_waiting_for[-1] if _waiting_for else what()}"
+        )
         raise
     finally:
         _waiting_for.pop()
