@@ -257,8 +257,11 @@ class ParallelContext:
             This context.
 
         Raises:
-            RuntimeError: already launched (call :meth:`destroy` first), or a peer does not
-                arrive within the timeout.
+            RuntimeError: already launched (call :meth:`destroy` first).
+            RendezvousError: (a RuntimeError, :mod:`parallelctx.rendezvous`) a rank did not
+                arrive within the timeout, the store did not answer or its port is taken, another
+                rank refused to launch, or the ranks were launched with different settings; raised
+                on every rank, naming the ranks, host:port and the keys that differ.
             LaunchArgumentError: a bad argument (a ValueError and a TypeError; the message
                 names it).
             ValueError: a bad config value (ConfigError, LayoutError and pydantic's

@@ -392,7 +392,8 @@ def disagreement(arrivals: Sequence[Arrival]) -> str | None:
     if not lines:
         return None
     return (
-        f"the ranks were launched with different settings (ranks {rank_list(sorted(bad))} differ from the rest) "
+        f"the ranks were launched with different settings (rank{'s' if len(bad) > 1 else ''} "
+        f"{rank_list(sorted(bad))} differ{'' if len(bad) > 1 else 's'} from the rest) "
         f"on {len(lines)} key{'s' if len(lines) > 1 else ''}:\n"
         + "\n".join(lines)
         + "\ngive every rank the same config (parallel, dist and seed sections), the same launch() "

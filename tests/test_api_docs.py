@@ -11,7 +11,7 @@ from parallelctx import ParallelContext
 
 API = (Path(__file__).resolve().parent.parent / "docs" / "api.md").read_text()
 MODULES = ["config", "context", "env", "hostlist", "launch", "layout", "seed", "check", "mesh", "groups", "show", "cli",
-           "placement", "picture", "timing", "checkcmd", "megatron", "testing", "testing.asserts",
+           "placement", "picture", "timing", "checkcmd", "megatron", "rendezvous", "testing", "testing.asserts",
            "testing.pool", "testing.plugin", "testing.report", "testing.worker"]
 
 

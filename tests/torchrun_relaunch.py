@@ -66,7 +66,7 @@ def _resources() -> dict[str, int]:
 
 def _fits(parallel: dict, world: int) -> bool:
     try:
-        parallelctx.Config(parallel=parallel).parallel.to_layout(world)
+        parallelctx.load_config({"parallel": parallel}).parallel.to_layout(world)
     except ValueError:
         return False
     return True
