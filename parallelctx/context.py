@@ -10,6 +10,7 @@ import contextlib
 import logging
 import random
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,10 +21,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .args import validate_launch_args
+from .args import LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, check_init_method_env, load_config
 from .groups import create_groups
 from .layout import Layout, ParallelMode
+from .rendezvous import Arrival, RendezvousError, connect_store, exchange
 from .seed import STREAMS, RNGSnapshot, RNGStreams, Stream, mode_seed, parse_stream
 
 __all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc"]
@@ -209,7 +211,7 @@ class ParallelContext:
         self._device = torch.device("cpu")
         self._device_meshes: dict[str, Any] = {}
         self._destroy_hooks: list[Callable[[], None]] = []
-        for mode, name in VIEW_NAMES.items():
+        for name in VIEW_NAMES.values():
             setattr(self, name, _Unlaunched(name))
 
     def _not_launched(self, what: str) -> NotLaunchedError:
@@ -255,8 +257,11 @@ class ParallelContext:
             This context.
 
         Raises:
-            RuntimeError: already launched (call :meth:`destroy` first), or a peer does not
-                arrive within the timeout.
+            RuntimeError: already launched (call :meth:`destroy` first).
+            RendezvousError: (a RuntimeError, :mod:`parallelctx.rendezvous`) a rank did not
+                arrive within the timeout, the store did not answer or its port is taken, another
+                rank refused to launch, or the ranks were launched with different settings; raised
+                on every rank, naming the ranks, host:port and the keys that differ.
             LaunchArgumentError: a bad argument (a ValueError and a TypeError; the message
                 names it).
             ValueError: a bad config value (ConfigError, LayoutError and pydantic's
@@ -264,36 +269,68 @@ class ParallelContext:
         """
         if self._global_rank >= 0:
             raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
-        cfg = self.load_config(config)
-        args = validate_launch_args(
-            rank=rank,
-            world_size=world_size,
-            host=host,
-            port=port,
-            local_rank=local_rank,
-            local_world_size=local_world_size,
-            timeout=timeout,
-            seed=seed,
-            backend=backend,
-            init_method=init_method or cfg.dist.init_method,
-            need_address=not dist.is_initialized(),  # an existing default group is adopted
-        )
+        # Local checks first. A rank whose checks fail but that can still reach the others (its
+        # rank, world size and address are valid) tells them at the rendezvous, so that every
+        # rank stops at once instead of waiting for it until the timeout.
+        refused: BaseException | None = None
+        cfg: Config | None = None
+        try:
+            cfg = self.load_config(config)
+        except (ValueError, TypeError) as exc:
+            refused = exc
+        method = init_method or (cfg.dist.init_method if cfg is not None else None)
+        need_address = not dist.is_initialized()  # an existing default group is adopted
+        try:
+            args = validate_launch_args(
+                rank=rank,
+                world_size=world_size,
+                host=host,
+                port=port,
+                local_rank=local_rank,
+                local_world_size=local_world_size,
+                timeout=timeout,
+                seed=seed,
+                backend=backend,
+                init_method=method,
+                need_address=need_address,
+            )
+        except LaunchArgumentError as exc:
+            args = self._reachable_args(rank, world_size, host, port, timeout, method, need_address, exc)
+            refused = refused or exc
+        layout: Layout | None = None
+        if refused is None and cfg is not None:
+            try:
+                layout = cfg.parallel.to_layout(args.world_size)
+            except (ValueError, TypeError) as exc:
+                refused = exc
+        wait = args.timeout or (cfg.dist.timeout if cfg is not None else DEFAULT_TIMEOUT)
+        use_seed = args.seed if args.seed is not None else (cfg.seed if cfg is not None else None)
+        if refused is not None or cfg is None or layout is None:
+            refused = refused or RuntimeError("the config did not load")
+            arrival = Arrival(args.rank, socket.gethostname(), error=f"{type(refused).__name__}: {refused}")
+        else:
+            values = _agreed_values(cfg, layout, args.world_size, args.backend, wait, use_seed)
+            arrival = Arrival(args.rank, socket.gethostname(), values)
         try:
             self._local_rank = args.local_rank
             check_init_method_env(args.init_method)
+            if cfg is None or layout is None:
+                self._announce_refusal(args, wait, arrival)
+                raise refused
             self.init_global_dist(
                 args.rank,
                 args.world_size,
                 backend=args.backend or cfg.dist.backend,
                 host=args.host,
                 port=args.port,
-                timeout=args.timeout or cfg.dist.timeout,
+                timeout=wait,
                 init_method=args.init_method,
+                arrival=arrival,
             )
             self.init_parallel_groups()
             on_node = self.detect_num_processes_on_current_node()
             self.set_device()
-            self.set_seed(cfg.seed if args.seed is None else args.seed)
+            self.set_seed(use_seed)
         except BaseException:
             self.destroy()
             raise
@@ -308,6 +345,36 @@ class ParallelContext:
         if self.is_rank_for_log():
             logger.info(self.summary())
         return self
+
+    @staticmethod
+    def _reachable_args(
+        rank: Any, world_size: Any, host: Any, port: Any, timeout: Any, method: Any, need_address: bool,
+        refused: LaunchArgumentError,
+    ) -> Any:
+        """The arguments this rank needs to reach the others although another argument was bad;
+        raises ``refused`` when even these are bad (the rank cannot tell anyone)."""
+        for wait in (timeout, None):
+            try:
+                return validate_launch_args(
+                    rank=rank, world_size=world_size, host=host, port=port, timeout=wait,
+                    init_method=method, need_address=need_address,
+                )
+            except LaunchArgumentError:
+                continue
+        raise refused
+
+    def _announce_refusal(self, args: Any, timeout: timedelta, arrival: Arrival) -> None:
+        """Post this rank's failed checks at the rendezvous so that every other rank stops at
+        once; a rendezvous that fails too is only logged (the caller raises the first cause)."""
+        if args.world_size == 1 or dist.is_initialized():
+            return
+        url = _url(args.init_method, args.host, args.port)
+        try:
+            store = self._launch_store(url, args.rank, args.world_size, timeout, time.monotonic() + timeout.total_seconds())
+            exchange(store, arrival, args.world_size, timeout, _shown_url(url))
+        except (RendezvousError, RuntimeError) as exc:
+            logger.warning("parallelctx: could not tell the other ranks that rank %d refused to launch: %s",
+                           args.rank, exc)
 
     def load_config(self, config: Config | Mapping[str, Any] | str | Path | None) -> Config:
         """Validate and store the config (a Config, a dict, a file path, or None).
@@ -337,6 +404,7 @@ class ParallelContext:
         port: int | None = None,
         timeout: timedelta | None = None,
         init_method: str | None = None,
+        arrival: Arrival | None = None,
     ) -> None:
         """Initialise (or adopt) the default process group.
 
@@ -351,10 +419,18 @@ class ParallelContext:
         under its own key prefix, ``parallelctx/launch-<n>``, where ``n`` counts this process's
         launches. Every rank must therefore launch the same number of times.
 
+        Before the default group is made, every rank meets every other on the store in one
+        round trip (:func:`parallelctx.rendezvous.exchange`): each posts ``arrival`` (its host
+        name and the values all ranks must agree on; :meth:`launch` passes them) and reads the
+        others'. A rank that does not arrive within ``timeout`` is named, and so are ranks that
+        disagree. The host names serve :meth:`detect_num_processes_on_current_node`.
+
         Raises:
             ValueError: a bad rank, world size, backend or port (the message names the value).
-            RuntimeError: torch.distributed is initialised with another rank or world size, or a
-                peer does not arrive within ``timeout``.
+            RuntimeError: torch.distributed is initialised with another rank or world size.
+            RendezvousError: (a RuntimeError) a rank did not arrive within ``timeout``, the
+                store did not answer or its port is taken, or the ranks disagree; the message
+                names the ranks, host:port and the differing keys.
         """
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
@@ -369,9 +445,15 @@ class ParallelContext:
                 )
             self._owns_default_group = False
             backend = dist.get_backend()
+            if arrival is not None and world_size > 1:
+                self._meet(self._adopted_store(), arrival, world_size, timeout, "the default group's store",
+                           time.monotonic() + timeout.total_seconds())
         else:
+            deadline = time.monotonic() + timeout.total_seconds()
             if world_size == 1 and init_method is None:
                 store: Any = dist.HashStore()
+                if arrival is not None:
+                    self._hostnames = (arrival.host,)
             else:
                 if init_method is None:
                     if port is None or not 0 < int(port) < 65536:
@@ -380,9 +462,10 @@ class ParallelContext:
                         )
                     if not host:
                         raise ValueError("host must name the rank-0 machine (e.g. '127.0.0.1')")
-                    h = f"[{host}]" if ":" in host and not host.startswith("[") else host
-                    init_method = f"tcp://{h}:{int(port)}"
-                store = self._launch_store(init_method, rank, world_size, timeout)
+                    init_method = _url(None, host, int(port))
+                store = self._launch_store(init_method, rank, world_size, timeout, deadline)
+                if arrival is not None:
+                    self._meet(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
             dist.init_process_group(
                 backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store
             )
@@ -394,13 +477,30 @@ class ParallelContext:
         self._local_ranks[ParallelMode.GLOBAL] = rank
         self._world_sizes[ParallelMode.GLOBAL] = world_size
 
-    def _launch_store(self, url: str, rank: int, world_size: int, timeout: timedelta) -> Any:
-        """The store this launch meets on: the URL's store (made by torch's own rendezvous on
-        first use, kept after), under a prefix that is new for every launch of this process."""
+    def _meet(
+        self, store: Any, arrival: Arrival, world_size: int, timeout: timedelta, where: str, deadline: float
+    ) -> None:
+        """The one exchange of the launch: every rank's host name and agreed values."""
+        arrivals = exchange(store, arrival, world_size, timeout, where, deadline)
+        self._hostnames = tuple(a.host for a in arrivals)
+
+    def _adopted_store(self) -> Any:
+        """The adopted default group's store, under a prefix new for this launch."""
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self._launches += 1
+        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", _get_default_store())
+
+    def _launch_store(
+        self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float | None = None
+    ) -> Any:
+        """The store this launch meets on: the URL's store (rank 0 serves a ``tcp://`` one, made
+        on first use with a bounded, interruptible wait and kept after), under a prefix that is
+        new for every launch of this process."""
         key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
-            base, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+            base = connect_store(url, rank, world_size, timeout, deadline)
             self._stores[key] = base
         base.set_timeout(timeout)
         self._launches += 1
@@ -486,7 +586,8 @@ class ParallelContext:
         return self._device
 
     def detect_num_processes_on_current_node(self) -> int:
-        """Count the ranks that share this rank's host name (one all-gather over the CPU group).
+        """Count the ranks that share this rank's host name: the names the launch rendezvous
+        gathered, else one all-gather over the CPU group.
 
         Also fills :attr:`num_nodes`, :attr:`node_rank` and, when the launcher gave none,
         the local rank.
@@ -501,7 +602,9 @@ class ParallelContext:
         if ParallelMode.GLOBAL not in self._views:
             raise self._not_launched("detect_num_processes_on_current_node()")
         host = socket.gethostname()
-        if self._world_size == 1:
+        if len(self._hostnames) == self._world_size:  # gathered by the launch rendezvous
+            names = list(self._hostnames)
+        elif self._world_size == 1:
             names = [host]
         else:
             names = [""] * self._world_size
@@ -884,6 +987,52 @@ class ParallelContext:
             f"nodes={self.num_nodes} procs/node={self.num_processes_on_current_node} "
             f"seed={self.config.seed} groups made on this rank={self._group_calls}"
         )
+
+
+def _url(init_method: str | None, host: str | None, port: int | None) -> str:
+    """``init_method``, else ``tcp://host:port`` (IPv6 hosts bracketed)."""
+    if init_method is not None:
+        return init_method
+    h = f"[{host}]" if host and ":" in host and not host.startswith("[") else host
+    return f"tcp://{h}:{port}"
+
+
+def _shown_url(url: str) -> str:
+    """``host:port`` for a ``tcp://`` URL, the URL otherwise."""
+    return url[len("tcp://"):] if url.startswith("tcp://") else url
+
+
+def _agreed_values(
+    cfg: Config, layout: Layout, world_size: int, backend: str | None, timeout: timedelta, seed: int | None
+) -> dict[str, Any]:
+    """What every rank must launch with, as flat dotted keys: the config's parallel and dist
+    sections (init_method aside: ranks may name rank 0's host differently), the seed, the
+    layout, the world size and the versions of parallelctx and torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    values: dict[str, Any] = {}
+
+    def flat(prefix: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                flat(f"{prefix}.{key}", item)
+        else:
+            values[prefix] = value
+
+    flat("parallel", cfg.parallel.model_dump(mode="json"))
+    flat("dist", cfg.dist.model_dump(mode="json"))
+    values.pop("dist.init_method", None)
+    values["dist.backend"] = backend or cfg.dist.backend
+    values["dist.timeout"] = timeout.total_seconds()
+    values["seed"] = seed
+    values["layout"] = layout.describe()
+    values["world_size"] = world_size
+    try:
+        values["parallelctx_version"] = version("parallelctx")
+    except PackageNotFoundError:
+        values["parallelctx_version"] = "unknown"
+    values["torch_version"] = torch.__version__
+    return values
 
 
 def resolve_backend(backend: str | None) -> str:

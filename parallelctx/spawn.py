@@ -1,15 +1,19 @@
 """``spawn``: start single-node worker processes that each launch ``gpc``, run a function and
-tear down; the parent re-raises the first worker failure with its rank.
+tear down; the parent re-raises the first worker failure in time (the root cause) with its rank,
+and lists the failures that followed it.
 
 This module imports :mod:`parallelctx.launch`'s building blocks but never the reverse.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import pickle
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,7 +38,9 @@ class SpawnError(RuntimeError):
         self.rank = rank
 
 
-def run_launched(main_func: Callable[..., Any], args: tuple[Any, ...], config: ConfigLike, **kwargs: Any) -> None:
+def run_launched(
+    main_func: Callable[..., Any], args: tuple[Any, ...], config: ConfigLike, **kwargs: Any
+) -> None:
     """Launch ``gpc`` with ``kwargs`` (:meth:`ParallelContext.launch`), call ``main_func(*args)``,
     and tear ``gpc`` down after, also when it raises.
 
@@ -65,13 +71,35 @@ class WorkerSpec:
     error_dir: str
 
 
-def _spawn_worker(index: int, spec: WorkerSpec) -> None:
-    """Body of one spawned worker: launch, run ``main_func``, tear down; on an exception, leave
-    it pickled in ``spec.error_dir`` for the parent and re-raise it."""
+def _record_failure(error_dir: str, index: int, exc: BaseException) -> None:
+    """Leave ``exc`` for the parent as ``<index>.pickle``: when it happened (``time.monotonic()``,
+    one clock for every process of the host), its traceback text and the exception itself when
+    it pickles. Written at the moment of failure, before the teardown lets the peers fail too."""
+    path = Path(error_dir) / f"{index}.pickle"
+    if path.exists():
+        return
+    record: dict[str, Any] = {
+        "time": time.monotonic(),
+        "traceback": "".join(traceback.format_exception(exc)),
+        "exception": None,
+    }
     try:
-        run_launched(
-            spec.main_func,
-            spec.args,
+        data = pickle.dumps(exc)
+        pickle.loads(data)  # only keep what the parent can rebuild
+        record["exception"] = data
+    except Exception:
+        pass
+    with contextlib.suppress(OSError):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(pickle.dumps(record))
+        tmp.replace(path)
+
+
+def _spawn_worker(index: int, spec: WorkerSpec) -> None:
+    """Body of one spawned worker: launch, run ``main_func``, tear down; on an exception, record
+    it in ``spec.error_dir`` for the parent (before the teardown) and re-raise it."""
+    try:
+        gpc.launch(
             spec.config,
             rank=spec.node_rank * spec.nprocs_per_node + index,
             world_size=spec.world_size,
@@ -82,29 +110,68 @@ def _spawn_worker(index: int, spec: WorkerSpec) -> None:
             seed=spec.seed,
             timeout=spec.timeout,
         )
-    except BaseException as exc:
         try:
-            data = pickle.dumps(exc)
-            pickle.loads(data)  # only keep what the parent can rebuild
-            (Path(spec.error_dir) / f"{index}.pickle").write_bytes(data)
-        except Exception:
-            pass
+            spec.main_func(*spec.args)
+        except BaseException as exc:
+            _record_failure(spec.error_dir, index, exc)
+            raise
+        finally:
+            gpc.destroy()
+    except BaseException as exc:
+        _record_failure(spec.error_dir, index, exc)
         raise
 
 
-def _worker_failure(error_dir: str, index: int, node_rank: int, rank: int, what: str) -> BaseException:
-    """The exception to raise in the parent for a failed worker (its own, when it pickled)."""
-    where = f"rank {rank} (worker {index} on node {node_rank})"
-    path = Path(error_dir) / f"{index}.pickle"
-    if path.is_file():
-        try:
-            exc = pickle.loads(path.read_bytes())
-        except Exception:
-            exc = None
-        if isinstance(exc, BaseException) and hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"raised in spawned {where}; the worker's traceback:\n{what}")
-            return exc
-    return SpawnError(f"{where} failed:\n{what}", rank)
+def _read_failures(error_dir: str) -> dict[int, dict[str, Any]]:
+    """The failure records the workers left, by worker index."""
+    out: dict[int, dict[str, Any]] = {}
+    for path in Path(error_dir).glob("*.pickle"):
+        with contextlib.suppress(Exception):
+            record = pickle.loads(path.read_bytes())
+            if isinstance(record, dict) and "time" in record:
+                out[int(path.stem)] = record
+    return out
+
+
+def _first_failure(
+    error_dir: str, node_rank: int, nprocs: int, reported: int, exited: str | None, reported_text: str
+) -> BaseException:
+    """The exception to raise in the parent: the earliest failure (its own exception when it
+    pickled, else a SpawnError), with notes naming its rank and traceback and listing the ranks
+    that failed after it. ``reported`` is the worker torch saw fail first; ``exited`` says how it
+    ended when it died without raising."""
+    records = _read_failures(error_dir)
+    if exited is not None and reported not in records:
+        first = reported  # died without a word (killed, os._exit): nothing was earlier on record
+    elif records:
+        first = min(records, key=lambda i: records[i]["time"])
+    else:
+        first = reported
+
+    def rank_of(index: int) -> int:
+        return node_rank * nprocs + index
+
+    where = f"rank {rank_of(first)} (worker {first} on node {node_rank})"
+    record = records.get(first)
+    exc: BaseException | None = None
+    if record is not None and record["exception"] is not None:
+        with contextlib.suppress(Exception):
+            exc = pickle.loads(record["exception"])
+    text = record["traceback"] if record is not None else reported_text
+    if not isinstance(exc, BaseException):
+        how = exited if (exited is not None and first == reported) else "failed"
+        exc = SpawnError(f"{where} {how}" + (f":\n{text}" if text else ""), rank_of(first))
+    else:
+        exc.add_note(f"raised in spawned {where}, the first worker to fail; its traceback:\n{text}")
+    later = sorted((i for i in records if i != first), key=lambda i: records[i]["time"])
+    if later:
+        lines = []
+        for i in later:
+            last = records[i]["traceback"].strip().splitlines()[-1:] or ["?"]
+            delay = records[i]["time"] - records[first]["time"] if record is not None else 0.0
+            lines.append(f"  rank {rank_of(i)} (+{delay:.2f} s): {last[0]}")
+        exc.add_note("ranks that failed after it (most likely as a consequence):\n" + "\n".join(lines))
+    return exc
 
 
 def spawn(
@@ -168,7 +235,17 @@ def spawn(
         raise ValueError(f"dist_url={dist_url!r} must be 'auto', 'tcp://host:port' or 'file:///path'")
 
     if world_size == 1:
-        run_launched(main_func, args, config, rank=0, world_size=1, local_rank=0, backend=backend, seed=seed, timeout=timeout)
+        run_launched(
+            main_func,
+            args,
+            config,
+            rank=0,
+            world_size=1,
+            local_rank=0,
+            backend=backend,
+            seed=seed,
+            timeout=timeout,
+        )
         return
 
     with tempfile.TemporaryDirectory(prefix="parallelctx-spawn-") as error_dir:
@@ -192,17 +269,27 @@ def spawn(
         try:
             while not context.join(timeout=1.0):
                 if deadline is not None and time.monotonic() > deadline:
+                    hung = [i for i, proc in enumerate(context.processes) if proc.is_alive()]
+                    done = [i for i in range(nprocs_per_node) if i not in hung]
+                    ranks = ", ".join(str(node_rank * nprocs_per_node + i) for i in hung)
+                    finished = ", ".join(str(node_rank * nprocs_per_node + i) for i in done) or "none"
                     raise TimeoutError(
-                        f"spawned workers did not finish within join_timeout={join_timeout} s; "
-                        "terminated them"
+                        f"spawned workers did not finish within join_timeout={join_timeout} s: rank"
+                        f"{'s' if len(hung) > 1 else ''} {ranks} still running (finished: {finished}); "
+                        "terminated them. A rank that waits in a collective its peers never enter hangs "
+                        "like this: check that every rank makes the same collective calls"
                     )
         except mp.ProcessRaisedException as exc:
-            rank = node_rank * nprocs_per_node + exc.error_index
-            raise _worker_failure(error_dir, exc.error_index, node_rank, rank, exc.msg) from None
+            raise _first_failure(
+                error_dir, node_rank, nprocs_per_node, exc.error_index, None, exc.msg
+            ) from None
         except mp.ProcessExitedException as exc:
-            rank = node_rank * nprocs_per_node + exc.error_index
-            how = f"exited with code {exc.exit_code}" if exc.signal_name is None else f"was killed by {exc.signal_name}"
-            raise SpawnError(f"rank {rank} (worker {exc.error_index} on node {node_rank}) {how}", rank) from None
+            how = (
+                f"exited with code {exc.exit_code}"
+                if exc.signal_name is None
+                else f"was killed by {exc.signal_name}"
+            )
+            raise _first_failure(error_dir, node_rank, nprocs_per_node, exc.error_index, how, "") from None
         finally:
             for proc in context.processes:
                 if proc.is_alive():
@@ -212,3 +299,7 @@ def spawn(
                 if proc.is_alive():
                     proc.kill()
                     proc.join(timeout=10)
+            for name in getattr(context, "error_files", []) or []:  # torch's, left by failed workers
+                if name:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name)

@@ -1,0 +1,401 @@
+"""The guarded launch rendezvous: reach the store, meet every rank, agree, in bounded time.
+
+Every wait here has a deadline (the launch's ``dist.timeout``) and is done in short slices, so
+that Ctrl-C and SIGTERM are acted on within a fraction of a second, and every failure names
+what it waited for: the ranks that never arrived, the host and port, the ranks and keys that
+disagree. :func:`connect_store` reaches (rank 0: serves) the rendezvous store;
+:func:`exchange` is the one round trip in which every rank posts its :class:`Arrival` (host
+name, the values all ranks must agree on, or the error its own checks raised) and reads all
+of them; :func:`disagreement` words what differs.
+
+Imports nothing from parallelctx (context.py builds on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+
+__all__ = ["Arrival", "RendezvousError", "connect_store", "disagreement", "exchange", "rank_list"]
+
+# Longest sleep between two polls of the store: Ctrl-C and SIGTERM are acted on within this.
+_SLICE_S = 0.25
+
+
+class RendezvousError(RuntimeError):
+    """The launch rendezvous failed: a rank never arrived, the store did not answer, the port
+    is taken, or the ranks disagree. ``ranks`` holds the ranks at fault (when known) and
+    ``address`` the ``host:port`` (or URL) of the rendezvous."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = (), address: str = "") -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.address = address
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What one rank posts at the rendezvous: its ``rank``, ``host`` name, the ``values`` every
+    rank must agree on (flat dotted keys), and ``error``, the message of the check that failed
+    on this rank before the rendezvous (None when its checks passed)."""
+
+    rank: int
+    host: str
+    values: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """Return ranks as compact text: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out: list[str] = []
+    items = sorted(set(ranks))
+    i = 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1] == items[j] + 1:
+            j += 1
+        out.append(str(items[i]) if i == j else f"{items[i]}-{items[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _address(url: str) -> tuple[str | None, int | None]:
+    if url.startswith("tcp://"):
+        parts = urlsplit(url)
+        return parts.hostname, parts.port
+    if url.startswith("env://"):
+        port = os.environ.get("MASTER_PORT", "")
+        return os.environ.get("MASTER_ADDR"), int(port) if port.isdigit() else None
+    return None, None
+
+
+def _where(url: str) -> str:
+    host, port = _address(url)
+    return f"{host}:{port}" if host and port else url
+
+
+# ---------------------------------------------------------------------------- signals
+_waiting_for: list[str] = []  # what the main thread waits for now (for the SIGTERM message)
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    what = _waiting_for[-1] if _waiting_for else "the launch rendezvous"
+    sys.stderr.write(f"parallelctx: SIGTERM while waiting for {what}; stopping\n")
+    sys.stderr.flush()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)  # die of SIGTERM, as the sender expects
+
+
+@contextlib.contextmanager
+def _waiting(what: Callable[[], str]) -> Iterator[None]:
+    """While the body waits: a KeyboardInterrupt gets a note saying what was awaited, and an
+    unhandled SIGTERM prints it before the process dies (main thread only)."""
+    swapped = False
+    if threading.current_thread() is threading.main_thread():
+        with contextlib.suppress(ValueError, OSError):
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, _on_sigterm)
+                swapped = True
+    _waiting_for.append(what())
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        exc.add_note(
+            f"parallelctx: interrupted while waiting for {_waiting_for[-1] if _waiting_for else what()}"
+        )
+        raise
+    finally:
+        _waiting_for.pop()
+        if swapped:
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _set_waiting(text: str) -> None:
+    if _waiting_for:
+        _waiting_for[-1] = text
+
+
+# ---------------------------------------------------------------------------- the store
+def _probe(host: str, port: int) -> bool | None:
+    """True: something accepts connections at host:port; False: refused; None: unreachable."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return None
+
+
+def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any:
+    host, port = _address(url)
+    if url.startswith("tcp://") and host and port:
+        # rank 0 serves without waiting for the clients: exchange() waits, and names who is missing
+        return dist.TCPStore(
+            host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False, multi_tenant=True
+        )
+    store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
+    return store
+
+
+def connect_store(
+    url: str, rank: int, world_size: int, timeout: timedelta, deadline: float | None = None
+) -> Any:
+    """Reach the rendezvous store of ``url`` (rank 0 of a ``tcp://`` URL serves it) within
+    ``timeout`` (or by ``deadline``, a ``time.monotonic()`` value), in a helper thread so that a peer that accepts but never answers cannot hang
+    this rank, and Ctrl-C / SIGTERM are acted on at once.
+
+    Returns:
+        The store (a ``torch.distributed.Store``).
+
+    Raises:
+        RendezvousError: the port is taken (rank 0), nothing answered within ``timeout``, or
+            something that is no rendezvous store holds the port; the message names host:port
+            and what to check.
+        KeyboardInterrupt: Ctrl-C while waiting (with a note saying for what).
+    """
+    where = _where(url)
+    host, port = _address(url)
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["store"] = _make_store(url, rank, world_size, timeout)
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="parallelctx-rendezvous", daemon=True)
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds if deadline is None else deadline
+    what = (
+        f"the rendezvous store at {where} to start (rank 0 serves it)"
+        if rank == 0
+        else f"rank 0's rendezvous store at {where} (rank {rank} of {world_size})"
+    )
+    with _waiting(lambda: what):
+        thread.start()
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(min(_SLICE_S, max(deadline - time.monotonic(), 0.0)))
+    if "store" in box:
+        return box["store"]
+    error = box.get("error")
+    text = str(error).split("\n", 1)[0] if error is not None else ""
+    if rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+        raise RendezvousError(
+            f"rank 0 cannot serve the rendezvous store at {where}: port {port} is already in use by "
+            "another program (another job, or a previous run that has not exited); pick a free port "
+            "(parallelctx.env.free_port()) or stop the program that holds it",
+            (0,),
+            where,
+        ) from None
+    if rank == 0:
+        raise RendezvousError(
+            f"rank 0 could not serve the rendezvous store at {where} within {seconds:g} s"
+            + (f": {text}" if text else "")
+            + "; check that the host name is an address of this machine",
+            (0,),
+            where,
+        ) from None
+    listening = _probe(host, port) if host and port else None
+    if listening and error is None:
+        cause = (
+            f"something at {where} accepts connections but did not answer as a rendezvous store "
+            f"within {seconds:g} s: another program holds this port (another job?), or host/port "
+            "is not rank 0's; give every rank rank 0's address and a port no other program uses"
+        )
+    elif listening is False or error is not None:
+        cause = (
+            f"no rendezvous store answered at {where} within {seconds:g} s: rank 0, which serves "
+            "it, never started, failed before launching, or was given another port; check rank 0's "
+            "log and that every rank has the same host:port"
+        )
+    else:
+        cause = (
+            f"rank 0's rendezvous store at {where} could not be reached within {seconds:g} s "
+            "(no answer at all: a firewall, or a wrong host name?)"
+        )
+    raise RendezvousError(f"rank {rank} of {world_size}: {cause}", (0,), where) from None
+
+
+# ---------------------------------------------------------------------------- the exchange
+def _missing(store: Any, world_size: int) -> list[int] | None:
+    try:
+        return [r for r in range(world_size) if not store.check([f"arrive/{r}"])]
+    except Exception:
+        return None
+
+
+def exchange(
+    store: Any,
+    arrival: Arrival,
+    world_size: int,
+    timeout: timedelta,
+    where: str,
+    deadline: float | None = None,
+) -> list[Arrival]:
+    """Post ``arrival`` and wait, in short slices, until every rank of ``world_size`` has posted
+    its own, or one posted an error; return all of them in rank order. A rank whose own checks
+    failed (``arrival.error``) posts and returns at once (rank 0, which serves the store, first
+    waits for the others to read it, within the timeout).
+
+    Returns:
+        The :class:`Arrival` of every rank, ranks 0, 1, ...
+
+    Raises:
+        RendezvousError: a rank did not arrive by ``deadline`` (``time.monotonic()``; default now
+            + ``timeout``), another rank's checks failed, or the store went away; the message
+            names the ranks, ``where`` and what to check.
+        KeyboardInterrupt: Ctrl-C while waiting (with a note naming the awaited ranks).
+    """
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds if deadline is None else deadline
+    rank = arrival.rank
+    awaited = f"the other ranks of {world_size} at {where}"
+    try:
+        store.set(f"arrive/{rank}", pickle.dumps(arrival))
+        if arrival.error is not None:
+            store.set("abort", str(rank).encode())
+            store.add("refused", 1)
+        store.add("arrived", 1)
+    except Exception as exc:
+        raise _lost(rank, where, exc) from None
+    if arrival.error is not None:
+        if rank == 0:
+            _linger(store, world_size, deadline, awaited)
+        return [arrival]
+    pause = 0.01
+    with _waiting(lambda: awaited):
+        while True:
+            try:
+                if store.add("arrived", 0) >= world_size:
+                    break
+                if store.check(["abort"]):
+                    bad = int(store.get("abort"))
+                    theirs: Arrival = pickle.loads(store.get(f"arrive/{bad}"))
+                    store.add("read", 1)
+                    if rank == 0:
+                        _linger(store, world_size, deadline, awaited)
+                    raise RendezvousError(
+                        f"launch refused on every rank: rank {bad} (host {theirs.host}) refused to "
+                        f"launch, so every rank stops: {theirs.error}",
+                        (bad,),
+                        where,
+                    )
+            except RendezvousError:
+                raise
+            except Exception as exc:
+                raise _lost(rank, where, exc) from None
+            now = time.monotonic()
+            if now >= deadline:
+                missing = _missing(store, world_size)
+                names = (
+                    "some ranks"
+                    if missing is None
+                    else f"rank{'s' if len(missing) > 1 else ''} " + rank_list(missing)
+                )
+                raise RendezvousError(
+                    f"{names} of world_size={world_size} did not arrive at the rendezvous {where} within "
+                    f"{seconds:g} s (dist.timeout); check that {'they were' if missing is None or len(missing) > 1 else 'it was'} "
+                    f"started with world_size={world_size} and the same host:port, that {'they' if missing is None or len(missing) > 1 else 'it'} "
+                    f"did not fail before launching (see its log), and that {where} is reachable from "
+                    f"{'their' if missing is None or len(missing) > 1 else 'its'} host; raise dist.timeout if ranks start slowly",
+                    missing or (),
+                    where,
+                )
+            if pause > 0.05:
+                missing = _missing(store, world_size)
+                if missing:
+                    _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, _SLICE_S)
+        try:
+            keys = [f"arrive/{r}" for r in range(world_size)]
+            arrivals = [pickle.loads(value) for value in store.multi_get(keys)]
+            store.add("read", 1)
+        except Exception as exc:
+            raise _lost(rank, where, exc) from None
+        failed = [a for a in arrivals if a.error is not None]
+        problem = (
+            f"rank {failed[0].rank} (host {failed[0].host}) refused to launch, so every rank stops: {failed[0].error}"
+            if failed
+            else disagreement(arrivals)
+        )
+        if problem is not None:
+            if rank == 0:
+                _linger(store, world_size, deadline, awaited)
+            culprits = [a.rank for a in failed] or _odd_ranks(arrivals)
+            raise RendezvousError(f"launch refused on every rank: {problem}", culprits, where)
+    return arrivals
+
+
+def _linger(store: Any, world_size: int, deadline: float, awaited: str) -> None:
+    """Rank 0 serves the store: before it raises (and its process may exit), it waits, within
+    the deadline, until every rank has read the arrivals or refused itself."""
+    with contextlib.suppress(Exception), _waiting(lambda: awaited):
+        while store.add("read", 0) + store.add("refused", 0) < world_size and time.monotonic() < deadline:
+            time.sleep(_SLICE_S / 4)
+
+
+def _odd_ranks(arrivals: Sequence[Arrival]) -> list[int]:
+    """The ranks outside the largest group of ranks with identical values."""
+    groups: dict[str, list[int]] = {}
+    for a in arrivals:
+        groups.setdefault(repr(sorted(a.values.items())), []).append(a.rank)
+    largest = max(groups.values(), key=len)
+    return sorted(r for ranks in groups.values() if ranks is not largest for r in ranks)
+
+
+def _lost(rank: int, where: str, exc: BaseException) -> RendezvousError:
+    first = str(exc).split("\n", 1)[0]
+    return RendezvousError(
+        f"rank {rank} lost the rendezvous store at {where} during the launch ({type(exc).__name__}: "
+        f"{first}); rank 0, which serves it, has probably exited or been killed: see rank 0's log",
+        (0,),
+        where,
+    )
+
+
+def disagreement(arrivals: Sequence[Arrival]) -> str | None:
+    """Word what the ranks' ``values`` disagree on: each differing key with its values and the
+    ranks holding each. Returns None when every rank holds the same values."""
+    keys = sorted({key for a in arrivals for key in a.values})
+    lines = []
+    bad: set[int] = set()
+    for key in keys:
+        by_value: dict[str, list[int]] = {}
+        for a in arrivals:
+            by_value.setdefault(repr(a.values.get(key, "<missing>")), []).append(a.rank)
+        if len(by_value) > 1:
+            ranked = sorted(by_value.items(), key=lambda item: -len(item[1]))
+            for _, ranks in ranked[1:]:
+                bad.update(ranks)
+            lines.append(
+                f"  {key}: "
+                + "; ".join(
+                    f"{value} on rank{'s' if len(r) > 1 else ''} {rank_list(r)}" for value, r in ranked
+                )
+            )
+    if not lines:
+        return None
+    return (
+        f"the ranks were launched with different settings (rank{'s' if len(bad) > 1 else ''} "
+        f"{rank_list(sorted(bad))} differ{'' if len(bad) > 1 else 's'} from the rest) "
+        f"on {len(lines)} key{'s' if len(lines) > 1 else ''}:\n"
+        + "\n".join(lines)
+        + "\ngive every rank the same config (parallel, dist and seed sections), the same launch() "
+        "arguments (seed=, backend=, timeout=) and the same parallelctx and torch versions"
+    )
