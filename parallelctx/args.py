@@ -49,7 +49,8 @@ def _int_arg(name: str, value: Any, low: int, high: int, high_text: str | None =
     number = _as_int(value)
     if number is None:
         whole = (isinstance(value, str) and value.strip().isdigit()) or (
-            isinstance(value, float) and math.isfinite(value) and value.is_integer())
+            isinstance(value, float) and math.isfinite(value) and value.is_integer()
+        )
         hint = f" (write {name}={int(value)})" if whole else ""
         raise LaunchArgumentError(
             f"{name}={_shown(value)} is of type {type(value).__name__}; {name} must be an int in "
@@ -101,12 +102,23 @@ def validate_launch_args(
     """
     world = _int_arg("world_size", world_size, 1, MAX_WORLD_SIZE, f"{MAX_WORLD_SIZE} (MAX_WORLD_SIZE)")
     rank_ = _int_arg("rank", rank, 0, world - 1, f"world_size-1 = {world - 1}")
-    local_world = None if local_world_size is None else _int_arg(
-        "local_world_size", local_world_size, 1, world, f"world_size = {world}")
+    local_world = (
+        None
+        if local_world_size is None
+        else _int_arg("local_world_size", local_world_size, 1, world, f"world_size = {world}")
+    )
     limit = local_world if local_world is not None else world
-    local = None if local_rank is None else _int_arg(
-        "local_rank", local_rank, 0, limit - 1,
-        f"{'local_world_size' if local_world is not None else 'world_size'}-1 = {limit - 1}")
+    local = (
+        None
+        if local_rank is None
+        else _int_arg(
+            "local_rank",
+            local_rank,
+            0,
+            limit - 1,
+            f"{'local_world_size' if local_world is not None else 'world_size'}-1 = {limit - 1}",
+        )
+    )
     port_ = None if port is None else _int_arg("port", port, 1, 65535)
     if host is not None:
         if not isinstance(host, str):

@@ -17,6 +17,7 @@ import os
 import re
 import runpy
 import sys
+import tomllib
 import types
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -24,7 +25,6 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, field_validator, model_validator
 
 from .layout import DEFAULT_ORDER, Layout, LayoutError, parse_order
@@ -626,7 +626,7 @@ class Config(Section):
             like a section method (``items``, ``keys``, ``values``, ``get``...).
     """
 
-    __slots__ = ("parallel", "dist", "seed")
+    __slots__ = ("dist", "parallel", "seed")
 
     parallel: ParallelConfig
     dist: DistConfig
@@ -641,9 +641,7 @@ class Config(Section):
                 f"a config must be a mapping, a Config or a file path, not {type(data).__name__}"
             )
         _check_tree(data)
-        owned = _Owned.model_validate(
-            {k: data[k] for k in ("parallel", "dist", "seed") if k in data}
-        )
+        owned = _Owned.model_validate({k: data[k] for k in ("parallel", "dist", "seed") if k in data})
         rest = {k: v for k, v in data.items() if k not in ("parallel", "dist", "seed")}
         super().__init__(rest)
         object.__setattr__(self, "parallel", owned.parallel)
@@ -666,7 +664,7 @@ class Config(Section):
         return out
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "Config":
+    def from_file(cls, path: str | Path) -> Config:
         """Read a config file: ``.py``, ``.json``, ``.toml``, ``.yaml`` or ``.yml``.
 
         In a ``.py`` file every top-level name that does not start with ``_`` and is not a
@@ -693,7 +691,13 @@ class Config(Section):
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
         suffix = path.suffix.lower()
-        readers = {".py": _read_py, ".json": _read_json, ".toml": _read_toml, ".yaml": _read_yaml, ".yml": _read_yaml}
+        readers = {
+            ".py": _read_py,
+            ".json": _read_json,
+            ".toml": _read_toml,
+            ".yaml": _read_yaml,
+            ".yml": _read_yaml,
+        }
         if suffix not in readers:
             raise ConfigError(
                 f"config file {str(path)!r} has suffix {suffix!r}; use .py, .json, .toml or .yaml"
@@ -773,8 +777,7 @@ def _read_py(path: Path) -> dict[str, Any]:
     return {
         key: value
         for key, value in namespace.items()
-        if not key.startswith("_")
-        and not isinstance(value, (types.ModuleType, types.FunctionType, type))
+        if not key.startswith("_") and not isinstance(value, (types.ModuleType, types.FunctionType, type))
     }
 
 
@@ -809,7 +812,8 @@ def _yaml_loader() -> type:
             super().flatten_mapping(node)
             if len(node.value) > MAX_CONFIG_NODES:
                 raise yaml.constructor.ConstructorError(
-                    None, None,
+                    None,
+                    None,
                     f"merge keys ('<<') expand one mapping to more than {MAX_CONFIG_NODES} entries",
                     node.start_mark,
                 )

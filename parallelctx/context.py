@@ -316,7 +316,7 @@ class ParallelContext:
             check_init_method_env(args.init_method)
             if cfg is None or layout is None:
                 self._announce_refusal(args, wait, arrival)
-                raise refused
+                raise refused or RuntimeError("the config did not load")
             self.init_global_dist(
                 args.rank,
                 args.world_size,
@@ -348,7 +348,13 @@ class ParallelContext:
 
     @staticmethod
     def _reachable_args(
-        rank: Any, world_size: Any, host: Any, port: Any, timeout: Any, method: Any, need_address: bool,
+        rank: Any,
+        world_size: Any,
+        host: Any,
+        port: Any,
+        timeout: Any,
+        method: Any,
+        need_address: bool,
         refused: LaunchArgumentError,
     ) -> Any:
         """The arguments this rank needs to reach the others although another argument was bad;
@@ -356,8 +362,13 @@ class ParallelContext:
         for wait in (timeout, None):
             try:
                 return validate_launch_args(
-                    rank=rank, world_size=world_size, host=host, port=port, timeout=wait,
-                    init_method=method, need_address=need_address,
+                    rank=rank,
+                    world_size=world_size,
+                    host=host,
+                    port=port,
+                    timeout=wait,
+                    init_method=method,
+                    need_address=need_address,
                 )
             except LaunchArgumentError:
                 continue
@@ -370,11 +381,16 @@ class ParallelContext:
             return
         url = _url(args.init_method, args.host, args.port)
         try:
-            store = self._launch_store(url, args.rank, args.world_size, timeout, time.monotonic() + timeout.total_seconds())
+            store = self._launch_store(
+                url, args.rank, args.world_size, timeout, time.monotonic() + timeout.total_seconds()
+            )
             exchange(store, arrival, args.world_size, timeout, _shown_url(url))
         except (RendezvousError, RuntimeError) as exc:
-            logger.warning("parallelctx: could not tell the other ranks that rank %d refused to launch: %s",
-                           args.rank, exc)
+            logger.warning(
+                "parallelctx: could not tell the other ranks that rank %d refused to launch: %s",
+                args.rank,
+                exc,
+            )
 
     def load_config(self, config: Config | Mapping[str, Any] | str | Path | None) -> Config:
         """Validate and store the config (a Config, a dict, a file path, or None).
@@ -446,8 +462,14 @@ class ParallelContext:
             self._owns_default_group = False
             backend = dist.get_backend()
             if arrival is not None and world_size > 1:
-                self._meet(self._adopted_store(), arrival, world_size, timeout, "the default group's store",
-                           time.monotonic() + timeout.total_seconds())
+                self._meet(
+                    self._adopted_store(),
+                    arrival,
+                    world_size,
+                    timeout,
+                    "the default group's store",
+                    time.monotonic() + timeout.total_seconds(),
+                )
         else:
             deadline = time.monotonic() + timeout.total_seconds()
             if world_size == 1 and init_method is None:
@@ -954,7 +976,9 @@ class ParallelContext:
         """
         streams = self.rng_streams
         if not isinstance(state, RNGState):
-            raise TypeError(f"set_rng_state takes what gpc.get_rng_state() returned, not {type(state).__name__}")
+            raise TypeError(
+                f"set_rng_state takes what gpc.get_rng_state() returned, not {type(state).__name__}"
+            )
         where = [
             (name, theirs, mine)
             for name, theirs, mine in (
@@ -999,7 +1023,7 @@ def _url(init_method: str | None, host: str | None, port: int | None) -> str:
 
 def _shown_url(url: str) -> str:
     """``host:port`` for a ``tcp://`` URL, the URL otherwise."""
-    return url[len("tcp://"):] if url.startswith("tcp://") else url
+    return url[len("tcp://") :] if url.startswith("tcp://") else url
 
 
 def _agreed_values(

@@ -25,16 +25,16 @@ from .limits import MAX_WORLD_SIZE
 
 __all__ = [
     "LAUNCHERS",
-    "Launcher",
+    "SLURM_PORT_RANGE",
     "LaunchEnv",
     "LaunchEnvError",
-    "SLURM_PORT_RANGE",
+    "Launcher",
     "detect",
+    "free_port",
+    "from_env_vars",
     "from_mpi",
     "from_slurm",
     "from_torchrun",
-    "from_env_vars",
-    "free_port",
     "launcher_named",
     "single_process",
     "slurm_port",
@@ -124,8 +124,16 @@ class _Reader:
         return tuple(sorted(self.seen.items()))
 
 
-def _check(launcher: str, rank: int, world: int, local: int | None, local_world: int | None,
-           node: int | None, nodes: int | None, names: tuple[str, str, str, str, str, str]) -> None:
+def _check(
+    launcher: str,
+    rank: int,
+    world: int,
+    local: int | None,
+    local_world: int | None,
+    node: int | None,
+    nodes: int | None,
+    names: tuple[str, str, str, str, str, str],
+) -> None:
     """Raise LaunchEnvError when the numbers a launcher gave contradict each other."""
     r, w, lr, lw, nr, nn = names
     if world < 1:
@@ -192,8 +200,16 @@ def from_torchrun(env: Mapping[str, str] | None = None, required: bool = False) 
         raise LaunchEnvError(f"MASTER_ADDR is not set; {TORCHRUN_HINT}")
     if port is None:
         raise LaunchEnvError(f"MASTER_PORT is not set; {TORCHRUN_HINT}")
-    _check("torchrun", rank, world, local, local_world, node, nodes,
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+    _check(
+        "torchrun",
+        rank,
+        world,
+        local,
+        local_world,
+        node,
+        nodes,
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    )
     return LaunchEnv(
         launcher="torchrun",
         rank=rank,
@@ -218,8 +234,18 @@ MPI_HINT = (
 
 # launcher: (rank, size, local rank, local size) variable names
 _MPI_VARS = {
-    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    "mvapich": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    "openmpi": (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    "mvapich": (
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+    ),
     "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
 }
 
@@ -269,8 +295,16 @@ def from_mpi(env: Mapping[str, str] | None = None, required: bool = False) -> La
         rank, world = rd.req_int(rank_var), rd.req_int(size_var)
         local, local_world = rd.opt_int(local_var), rd.opt_int(local_size_var)
         addr, port = _master(rd)
-        _check(launcher, rank, world, local, local_world, None, None,
-               (rank_var, size_var, local_var, local_size_var, "-", "-"))
+        _check(
+            launcher,
+            rank,
+            world,
+            local,
+            local_world,
+            None,
+            None,
+            (rank_var, size_var, local_var, local_size_var, "-", "-"),
+        )
         _check_other_mpi(rd, launcher, rank, world)
         return LaunchEnv(
             launcher=launcher,
@@ -367,9 +401,23 @@ def from_slurm(env: Mapping[str, str] | None = None, required: bool = False) -> 
             local_world = tasks_on_node(per_node[1], node)  # no expansion: the list may be huge
         except HostlistError as exc:
             raise LaunchEnvError(f"{per_node[0]}: {exc}") from None
-    _check("slurm", rank, world, local, local_world, node, nodes,
-           ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", per_node[0] if per_node else "-",
-            "SLURM_NODEID", "SLURM_STEP_NUM_NODES"))
+    _check(
+        "slurm",
+        rank,
+        world,
+        local,
+        local_world,
+        node,
+        nodes,
+        (
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+            per_node[0] if per_node else "-",
+            "SLURM_NODEID",
+            "SLURM_STEP_NUM_NODES",
+        ),
+    )
     addr, port = _master(rd)
     nodelist = rd.first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     if nodelist is not None:
@@ -445,8 +493,16 @@ def from_env_vars(env: Mapping[str, str] | None = None, required: bool = False) 
     rank, world = rd.req_int("RANK"), rd.req_int("WORLD_SIZE")
     local = rd.opt_int("LOCAL_RANK")
     addr, port = _master(rd)
-    _check("env", rank, world, local, None, None, None,
-           ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"))
+    _check(
+        "env",
+        rank,
+        world,
+        local,
+        None,
+        None,
+        None,
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE"),
+    )
     if world > 1 and (addr is None or port is None):
         missing = " and ".join(n for n, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if v is None)
         raise LaunchEnvError(f"RANK={rank} WORLD_SIZE={world} without {missing}; {ENV_HINT}")
@@ -513,7 +569,14 @@ class Launcher:
 
 
 LAUNCHERS: tuple[Launcher, ...] = (
-    Launcher("torchrun", ("pytorch", "torch"), ("torchrun",), from_torchrun, TORCHRUN_HINT, doc="launchers/torchrun.md"),
+    Launcher(
+        "torchrun",
+        ("pytorch", "torch"),
+        ("torchrun",),
+        from_torchrun,
+        TORCHRUN_HINT,
+        doc="launchers/torchrun.md",
+    ),
     Launcher(
         "mpi",
         ("openmpi", "mpich", "mvapich"),

@@ -40,7 +40,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -199,12 +198,16 @@ def _one_rank_group(
             g = dist.new_group(row, timeout=timeout, group_desc="parallelctx_self")
             c = g
             if cpu_backend is not None:
-                c = dist.new_group(row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu")
+                c = dist.new_group(
+                    row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
+                )
             if row[0] == rank:
                 group, cpu_group = g, c
         per_row = 1 if cpu_backend is None else 2
         if group is None or cpu_group is None:
-            raise RuntimeError(f"rank {rank} is outside the world of {layout.world_size}: no one-rank group made")
+            raise RuntimeError(
+                f"rank {rank} is outside the world of {layout.world_size}: no one-rank group made"
+            )
         return ModeGroup(members, group, cpu_group), per_row * len(rows)
     group = _local_group(members, timeout, None, "parallelctx_self", used)
     cpu_group = group
@@ -248,7 +251,11 @@ def create_groups(
 
 
 def _create(
-    layout: Layout, rank: int, timeout: timedelta, cpu_backend: str | None, used: set[tuple[Sequence[int], int]]
+    layout: Layout,
+    rank: int,
+    timeout: timedelta,
+    cpu_backend: str | None,
+    used: set[tuple[Sequence[int], int]],
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
@@ -295,7 +302,9 @@ def _create(
             calls += n
             cpu_group = group
             if cpu_backend is not None:
-                cpu_group, n = _group_everywhere(layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu")
+                cpu_group, n = _group_everywhere(
+                    layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu"
+                )
                 calls += n
             made[sig] = ModeGroup(members, group, cpu_group)
             if members:

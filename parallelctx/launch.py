@@ -257,8 +257,10 @@ def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> Paral
         to_timedelta(kwargs["timeout"], "timeout")  # TypeError with the right forms, before detection
     unknown = set(kwargs) - {"config", "seed", "timeout", "host", "port"}
     if unknown:
-        raise TypeError(f"init_dist() got unexpected arguments {sorted(unknown)}; it takes config, seed, "
-                        "timeout, host and port")
+        raise TypeError(
+            f"init_dist() got unexpected arguments {sorted(unknown)}; it takes config, seed, "
+            "timeout, host and port"
+        )
     return _launch_named(
         launcher,
         kwargs.get("config"),

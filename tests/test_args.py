@@ -12,8 +12,17 @@ from parallelctx.limits import MAX_WORLD_SIZE
 
 
 def test_good_arguments_are_normalised() -> None:
-    args = validate_launch_args(rank=np.int64(1), world_size=4, host="10.0.0.1", port=np.uint16(29500),
-                                local_rank=1, local_world_size=2, timeout=90, seed=7, backend="gloo")
+    args = validate_launch_args(
+        rank=np.int64(1),
+        world_size=4,
+        host="10.0.0.1",
+        port=np.uint16(29500),
+        local_rank=1,
+        local_world_size=2,
+        timeout=90,
+        seed=7,
+        backend="gloo",
+    )
     assert args == LaunchArgs(1, 4, "10.0.0.1", 29500, 1, 2, timedelta(seconds=90), 7, "gloo", None)
     assert type(args.rank) is int and type(args.port) is int
     assert validate_launch_args() == LaunchArgs(0, 1, "127.0.0.1", None, None, None, None, None, None, None)
@@ -44,15 +53,23 @@ def test_good_arguments_are_normalised() -> None:
         ({"world_size": 2, "port": 1, "host": ""}, r"host='' is neither an IP address nor a host name"),
         ({"host": "a b"}, r"host='a b' is neither an IP address nor a host name"),
         ({"host": 127}, r"host=127 is of type int"),
-        ({"timeout": float("nan")}, r"timeout=nan must be a finite number of seconds, between 0.001 and 31536000"),
+        (
+            {"timeout": float("nan")},
+            r"timeout=nan must be a finite number of seconds, between 0.001 and 31536000",
+        ),
         ({"timeout": float("inf")}, r"timeout=inf must be a finite number"),
         ({"timeout": 10**30}, r"timeout=1000000000000000000000000000000 is out of range"),
         ({"timeout": -5}, r"timeout=-5 must be positive"),
         ({"timeout": "60"}, r"timeout='60' must be seconds \(e.g. timeout=1800\) or a datetime.timedelta"),
-        ({"local_rank": 2, "local_world_size": 2, "world_size": 4, "port": 1},
-         r"local_rank=2 must lie in \[0, local_world_size-1 = 1\]"),
+        (
+            {"local_rank": 2, "local_world_size": 2, "world_size": 4, "port": 1},
+            r"local_rank=2 must lie in \[0, local_world_size-1 = 1\]",
+        ),
         ({"local_rank": "0"}, r"local_rank='0' is of type str"),
-        ({"local_world_size": 5, "world_size": 4, "port": 1}, r"local_world_size=5 must lie in \[1, world_size = 4\]"),
+        (
+            {"local_world_size": 5, "world_size": 4, "port": 1},
+            r"local_world_size=5 must lie in \[1, world_size = 4\]",
+        ),
         ({"seed": 2**32}, r"seed=4294967296 must lie in \[0, 4294967295\]"),
         ({"seed": True}, r"seed=True is of type bool"),
         ({"backend": "mpi"}, r"backend='mpi' must be one of 'auto', 'nccl', 'gloo'"),

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -95,7 +94,9 @@ def test_destroy_resets_and_relaunches() -> None:
 
 
 def test_failed_launch_leaves_nothing_behind() -> None:
-    with pytest.raises(LayoutError, match="tensor=2 x pipeline=1 x context=1 = 2 does not divide world_size=1"):
+    with pytest.raises(
+        LayoutError, match="tensor=2 x pipeline=1 x context=1 = 2 does not divide world_size=1"
+    ):
         parallelctx.launch({"parallel": {"tensor": 2}})
     assert not dist.is_initialized()
     with pytest.raises(NotLaunchedError):
@@ -143,10 +144,9 @@ def test_seed_streams(launched) -> None:
 
 def test_stream_is_restored_after_an_exception(launched) -> None:
     before = torch.get_rng_state()
-    with pytest.raises(ZeroDivisionError):
-        with gpc.seed("tensor"):
-            torch.rand(2)
-            1 / 0
+    with pytest.raises(ZeroDivisionError), gpc.seed("tensor"):
+        torch.rand(2)
+        1 / 0
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -194,12 +194,14 @@ def test_relaunch_on_an_adopted_default_group_is_refused_clearly(tmp_path) -> No
     # torch would give the re-made groups the names of the destroyed ones (stale rendezvous
     # keys, a hang until the timeout); parallelctx refuses with a message instead.
     import torch.multiprocessing as mp
-
     from mp_workers import adopted_relaunch
+
     from parallelctx.launch import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
-    ctx = mp.start_processes(adopted_relaunch, args=(4, init, str(tmp_path)), nprocs=4, join=False, start_method="spawn")
+    ctx = mp.start_processes(
+        adopted_relaunch, args=(4, init, str(tmp_path)), nprocs=4, join=False, start_method="spawn"
+    )
     try:
         while not ctx.join(timeout=120):
             pass

@@ -50,47 +50,118 @@ scalars = st.one_of(
     st.timedeltas(),
 )
 keys = st.one_of(
-    st.sampled_from(["size", "sizes", "szie", "Size", "tensor", "tensr", "pipeline", "context", "expert",
-                     "data", "order", "backend", "timeout", "timout", "init_method", "gloo_lazy_init",
-                     "items", "keys", "values", "get", "copy", "overlap", "interleaved_overlap"]),
+    st.sampled_from(
+        [
+            "size",
+            "sizes",
+            "szie",
+            "Size",
+            "tensor",
+            "tensr",
+            "pipeline",
+            "context",
+            "expert",
+            "data",
+            "order",
+            "backend",
+            "timeout",
+            "timout",
+            "init_method",
+            "gloo_lazy_init",
+            "items",
+            "keys",
+            "values",
+            "get",
+            "copy",
+            "overlap",
+            "interleaved_overlap",
+        ]
+    ),
     st.text(max_size=8),
     st.integers(-2, 2),
 )
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                        st.dictionaries(keys, inner, max_size=4)), max_leaves=12)
-sizes = st.one_of(st.integers(-1, 64), st.booleans(), st.integers(2**62, 2**70),
-                  st.sampled_from(["2", 2.0, 2.5, b"1", None, float("nan")]))
-typo_keys = st.sampled_from(["sizes", "szie", "Size", "tensr", "items", "copy", "overlap", "interleaved_overlap", 3])
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(keys, inner, max_size=4)),
+    max_leaves=12,
+)
+sizes = st.one_of(
+    st.integers(-1, 64),
+    st.booleans(),
+    st.integers(2**62, 2**70),
+    st.sampled_from(["2", 2.0, 2.5, b"1", None, float("nan")]),
+)
+typo_keys = st.sampled_from(
+    ["sizes", "szie", "Size", "tensr", "items", "copy", "overlap", "interleaved_overlap", 3]
+)
 axis = st.one_of(
     sizes,
     st.fixed_dictionaries({}, optional={"size": sizes, "tensor": sizes}).flatmap(
-        lambda d: st.dictionaries(typo_keys, st.integers(0, 4), max_size=1).map(lambda extra: {**d, **extra})),
+        lambda d: st.dictionaries(typo_keys, st.integers(0, 4), max_size=1).map(lambda extra: {**d, **extra})
+    ),
     values,
 )
 urls = st.one_of(
-    st.sampled_from(["tcp://", "tcp://host", "tcp://127.0.0.1:99999", "tcp://10.0.0.1:29500", "tcp://[::1]:1",
-                     "file://", "file:///tmp/x", "file://tmp/x", "env://", "env://h:1", "http://h:1", "tcp://h:0"]),
-    st.builds(lambda scheme, rest: scheme + rest, st.sampled_from(["tcp://", "env://", "file://"]),
-              st.text(string.ascii_letters + string.digits + ".:/[]@?#-_ %", max_size=16)),
+    st.sampled_from(
+        [
+            "tcp://",
+            "tcp://host",
+            "tcp://127.0.0.1:99999",
+            "tcp://10.0.0.1:29500",
+            "tcp://[::1]:1",
+            "file://",
+            "file:///tmp/x",
+            "file://tmp/x",
+            "env://",
+            "env://h:1",
+            "http://h:1",
+            "tcp://h:0",
+        ]
+    ),
+    st.builds(
+        lambda scheme, rest: scheme + rest,
+        st.sampled_from(["tcp://", "env://", "file://"]),
+        st.text(string.ascii_letters + string.digits + ".:/[]@?#-_ %", max_size=16),
+    ),
 )
-timeouts = st.one_of(st.integers(-5, 2**70), st.floats(), st.timedeltas(), st.booleans(),
-                     st.sampled_from(["10s", "60", None, b"1"]))
+timeouts = st.one_of(
+    st.integers(-5, 2**70),
+    st.floats(),
+    st.timedeltas(),
+    st.booleans(),
+    st.sampled_from(["10s", "60", None, b"1"]),
+)
 parallel_section = st.fixed_dictionaries(
-    {}, optional={"tensor": axis, "pipeline": axis, "context": axis, "expert": axis, "data": sizes,
-                  "order": st.one_of(st.sampled_from(["tp-cp-ep-dp-pp", "tp-pp-dp", "TP-dp", "tp-xp", "", b"tp"]),
-                                     values)},
+    {},
+    optional={
+        "tensor": axis,
+        "pipeline": axis,
+        "context": axis,
+        "expert": axis,
+        "data": sizes,
+        "order": st.one_of(
+            st.sampled_from(["tp-cp-ep-dp-pp", "tp-pp-dp", "TP-dp", "tp-xp", "", b"tp"]), values
+        ),
+    },
 ).flatmap(lambda d: st.dictionaries(keys, values, max_size=1).map(lambda extra: {**extra, **d}))
 dist_section = st.fixed_dictionaries(
-    {}, optional={"backend": st.one_of(st.sampled_from(["auto", "nccl", "gloo", "mpi"]), values),
-                  "timeout": timeouts, "init_method": st.one_of(urls, values),
-                  "gloo_lazy_init": st.one_of(st.booleans(), values)},
+    {},
+    optional={
+        "backend": st.one_of(st.sampled_from(["auto", "nccl", "gloo", "mpi"]), values),
+        "timeout": timeouts,
+        "init_method": st.one_of(urls, values),
+        "gloo_lazy_init": st.one_of(st.booleans(), values),
+    },
 ).flatmap(lambda d: st.dictionaries(keys, values, max_size=1).map(lambda extra: {**extra, **d}))
 configs = st.fixed_dictionaries(
     {},
-    optional={"parallel": st.one_of(parallel_section, values), "dist": st.one_of(dist_section, values),
-              "seed": st.one_of(st.integers(-5, 2**33), st.booleans(), st.sampled_from(["1", b"1", 1.0]), values),
-              "model": st.one_of(values, st.dictionaries(keys, values, max_size=4)),
-              "items": values},
+    optional={
+        "parallel": st.one_of(parallel_section, values),
+        "dist": st.one_of(dist_section, values),
+        "seed": st.one_of(st.integers(-5, 2**33), st.booleans(), st.sampled_from(["1", b"1", 1.0]), values),
+        "model": st.one_of(values, st.dictionaries(keys, values, max_size=4)),
+        "items": values,
+    },
 )
 
 CONFIG_ERRORS = (ConfigError, ValidationError)
@@ -162,11 +233,34 @@ SUFFIXES = [".json", ".toml", ".yaml", ".yml"]
 file_bytes = st.one_of(
     st.binary(max_size=200),
     st.text(max_size=200).map(lambda t: t.encode("utf-8", "surrogatepass")),
-    st.lists(st.sampled_from([b"a: &a [x, x]\n", b"b: &b [*a, *a, *a]\n", b"c: [*b, *b]\n", b"{", b"}", b"[",
-                              b"]", b"\xe9", b"seed = 3\n", b'"seed": 1e999', b"<<: *a\n", b"parallel:\n  tensor: ",
-                              b"True\n", b"'2'\n", b"- 1\n", b"? [1]\n: 2\n", b"!!python/object:os.system\n",
-                              b"[parallel]\ntensor = 2\n", b"dist:\n  timeout: .inf\n", b"\x00", b"\xef\xbb\xbf"]),
-             max_size=12).map(b"".join),
+    st.lists(
+        st.sampled_from(
+            [
+                b"a: &a [x, x]\n",
+                b"b: &b [*a, *a, *a]\n",
+                b"c: [*b, *b]\n",
+                b"{",
+                b"}",
+                b"[",
+                b"]",
+                b"\xe9",
+                b"seed = 3\n",
+                b'"seed": 1e999',
+                b"<<: *a\n",
+                b"parallel:\n  tensor: ",
+                b"True\n",
+                b"'2'\n",
+                b"- 1\n",
+                b"? [1]\n: 2\n",
+                b"!!python/object:os.system\n",
+                b"[parallel]\ntensor = 2\n",
+                b"dist:\n  timeout: .inf\n",
+                b"\x00",
+                b"\xef\xbb\xbf",
+            ]
+        ),
+        max_size=12,
+    ).map(b"".join),
 )
 
 
@@ -195,8 +289,16 @@ def test_fuzz_config_files_heavy(tmp_path_factory: pytest.TempPathFactory, suffi
 
 
 json_values = st.recursive(
-    st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False), st.text(max_size=6)),
-    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**40), 2**40),
+        st.floats(allow_nan=False),
+        st.text(max_size=6),
+    ),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
     max_leaves=10,
 )
 
@@ -219,18 +321,71 @@ def test_fuzz_json_file_equals_dict(tmp_path_factory: pytest.TempPathFactory, da
 
 
 # --------------------------------------------------------------------------- launcher environments
-INT_VARS = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "MASTER_PORT",
-            "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
-            "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
-            "SLURM_PROCID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_NODEID",
-            "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_ID", "SLURM_JOBID", "SLURM_STEP_ID", "SLURM_STEPID"]
-OTHER_VARS = ["TORCHELASTIC_RUN_ID", "MASTER_ADDR", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST",
-              "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "PMI_ID", "PMI_PORT"]
-int_texts = st.one_of(st.integers(-2, 9).map(str), st.integers(0, 2**70).map(str),
-                      st.sampled_from(["1_0", "+1", " 1", "\u0661", "0x1", "", "abc", "9" * 30, "1e3"]))
-other_texts = st.one_of(st.sampled_from(["n[1-2]", "n[1-100000000]", "n[1-", "2(x2)", "1(x100000000)", "3,1", "",
-                                         "node01", "127.0.0.1", "(null)", "n[" + "9" * 30 + "]"]),
-                        st.text(string.printable, max_size=12))
+INT_VARS = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS",
+    "MV2_COMM_WORLD_RANK",
+    "MV2_COMM_WORLD_SIZE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_NPROCS",
+    "SLURM_STEP_NUM_TASKS",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_STEP_NUM_NODES",
+    "SLURM_NNODES",
+    "SLURM_JOB_ID",
+    "SLURM_JOBID",
+    "SLURM_STEP_ID",
+    "SLURM_STEPID",
+]
+OTHER_VARS = [
+    "TORCHELASTIC_RUN_ID",
+    "MASTER_ADDR",
+    "SLURM_STEP_NODELIST",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NODELIST",
+    "SLURM_STEP_TASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "PMI_ID",
+    "PMI_PORT",
+]
+int_texts = st.one_of(
+    st.integers(-2, 9).map(str),
+    st.integers(0, 2**70).map(str),
+    st.sampled_from(["1_0", "+1", " 1", "\u0661", "0x1", "", "abc", "9" * 30, "1e3"]),
+)
+other_texts = st.one_of(
+    st.sampled_from(
+        [
+            "n[1-2]",
+            "n[1-100000000]",
+            "n[1-",
+            "2(x2)",
+            "1(x100000000)",
+            "3,1",
+            "",
+            "node01",
+            "127.0.0.1",
+            "(null)",
+            "n[" + "9" * 30 + "]",
+        ]
+    ),
+    st.text(string.printable, max_size=12),
+)
 
 
 @st.composite
@@ -240,22 +395,39 @@ def near_valid_environments(draw: st.DrawFn) -> dict[str, str]:
     rank = draw(st.integers(0, world - 1))
     kind = draw(st.sampled_from(["torchrun", "openmpi", "mpich", "slurm"]))
     env = {
-        "torchrun": {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": 0, "MASTER_ADDR": "h", "MASTER_PORT": 29500,
-                     "TORCHELASTIC_RUN_ID": "x"},
+        "torchrun": {
+            "RANK": rank,
+            "WORLD_SIZE": world,
+            "LOCAL_RANK": 0,
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": 29500,
+            "TORCHELASTIC_RUN_ID": "x",
+        },
         "openmpi": {"OMPI_COMM_WORLD_RANK": rank, "OMPI_COMM_WORLD_SIZE": world},
         "mpich": {"PMI_RANK": rank, "PMI_SIZE": world},
-        "slurm": {"SLURM_PROCID": rank, "SLURM_NTASKS": world, "SLURM_LOCALID": 0, "SLURM_NODEID": 0,
-                  "SLURM_STEP_ID": 0, "SLURM_JOB_ID": 7, "SLURM_JOB_NODELIST": "n[1-2]",
-                  "SLURM_TASKS_PER_NODE": f"{world}"},
+        "slurm": {
+            "SLURM_PROCID": rank,
+            "SLURM_NTASKS": world,
+            "SLURM_LOCALID": 0,
+            "SLURM_NODEID": 0,
+            "SLURM_STEP_ID": 0,
+            "SLURM_JOB_ID": 7,
+            "SLURM_JOB_NODELIST": "n[1-2]",
+            "SLURM_TASKS_PER_NODE": f"{world}",
+        },
     }[kind]
-    damage = draw(st.dictionaries(st.sampled_from(INT_VARS + OTHER_VARS), st.one_of(int_texts, other_texts),
-                                  max_size=2))
+    damage = draw(
+        st.dictionaries(st.sampled_from(INT_VARS + OTHER_VARS), st.one_of(int_texts, other_texts), max_size=2)
+    )
     return {**{k: str(v) for k, v in env.items()}, **damage}
 
 
 environments = st.one_of(
     st.dictionaries(st.sampled_from(INT_VARS), int_texts, max_size=10).flatmap(
-        lambda d: st.dictionaries(st.sampled_from(OTHER_VARS), other_texts, max_size=4).map(lambda o: {**d, **o})),
+        lambda d: st.dictionaries(st.sampled_from(OTHER_VARS), other_texts, max_size=4).map(
+            lambda o: {**d, **o}
+        )
+    ),
     near_valid_environments(),
 )
 
@@ -325,7 +497,9 @@ def test_fuzz_hostlists_heavy(text: str) -> None:
 
 
 # --------------------------------------------------------------------------- launch() arguments
-arg_values = st.one_of(scalars, st.integers(-2, 70000), st.sampled_from(["127.0.0.1", "[::1]", "host", "", "a b"]))
+arg_values = st.one_of(
+    scalars, st.integers(-2, 70000), st.sampled_from(["127.0.0.1", "[::1]", "host", "", "a b"])
+)
 
 
 def _args_property(kwargs: dict[str, Any]) -> None:
@@ -345,14 +519,31 @@ def _args_property(kwargs: dict[str, Any]) -> None:
         if kwargs.get(name) is not None:
             assert _is_int(kwargs[name]), name
     if kwargs.get("timeout") is not None:
-        assert args.timeout is not None and MIN_TIMEOUT_SECONDS <= args.timeout.total_seconds() <= MAX_TIMEOUT_SECONDS
+        assert (
+            args.timeout is not None
+            and MIN_TIMEOUT_SECONDS <= args.timeout.total_seconds() <= MAX_TIMEOUT_SECONDS
+        )
     assert args.backend in (None, "auto", "nccl", "gloo")
 
 
 launch_kwargs = st.dictionaries(
-    st.sampled_from(["rank", "world_size", "host", "port", "local_rank", "local_world_size", "timeout", "seed",
-                     "backend", "init_method"]),
-    arg_values, max_size=6)
+    st.sampled_from(
+        [
+            "rank",
+            "world_size",
+            "host",
+            "port",
+            "local_rank",
+            "local_world_size",
+            "timeout",
+            "seed",
+            "backend",
+            "init_method",
+        ]
+    ),
+    arg_values,
+    max_size=6,
+)
 
 
 @FAST
@@ -370,8 +561,13 @@ def test_fuzz_launch_arguments_heavy(kwargs: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- plan()
 @FAST
-@given(st.one_of(st.integers(1, 64), st.integers(2**20, 2**70), st.sampled_from([2**24, 2**24 + 1, 2**31, 2**63])),
-       st.integers(-1, 8), st.sampled_from([1, 2, 4, 2**20, 2**40]))
+@given(
+    st.one_of(
+        st.integers(1, 64), st.integers(2**20, 2**70), st.sampled_from([2**24, 2**24 + 1, 2**31, 2**63])
+    ),
+    st.integers(-1, 8),
+    st.sampled_from([1, 2, 4, 2**20, 2**40]),
+)
 def test_fuzz_plan_world_sizes(world: int, tensor: int, pipeline: int) -> None:
     try:
         layout = plan(world, tensor=tensor, pipeline=pipeline)

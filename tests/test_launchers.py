@@ -583,7 +583,19 @@ def test_mpirun_inside_allocation(slurm: SlurmCluster, tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------- parallelctx check
-CHECK = ["-m", "parallelctx", "check", "--json", "--quiet", "--sizes", "4KiB", "--iters", "2", "--warmup", "1"]
+CHECK = [
+    "-m",
+    "parallelctx",
+    "check",
+    "--json",
+    "--quiet",
+    "--sizes",
+    "4KiB",
+    "--iters",
+    "2",
+    "--warmup",
+    "1",
+]
 
 
 def _check_json(output: str) -> dict[str, Any]:
@@ -596,7 +608,9 @@ def _check_json(output: str) -> dict[str, Any]:
 
 def test_check_command_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
     (tmp_path / "tp2.json").write_text(json.dumps({"parallel": {"tensor": 2}}))
-    out = slurm_run(slurm, ["srun", "-N2", "--ntasks-per-node=2", PY, *CHECK, "--config", str(tmp_path / "tp2.json")])
+    out = slurm_run(
+        slurm, ["srun", "-N2", "--ntasks-per-node=2", PY, *CHECK, "--config", str(tmp_path / "tp2.json")]
+    )
     assert out.returncode == 0, out.stdout[-4000:] + slurm.logs()
     report = _check_json(out.stdout)
     assert report["ok"] is True and report["world_size"] == 4, report
@@ -604,8 +618,24 @@ def test_check_command_under_srun(slurm: SlurmCluster, tmp_path: Path) -> None:
 
 def test_check_command_under_mpirun(tmp_path: Path) -> None:
     port = str(free_port())
-    out = run([*MPIRUN, "-np", "4", "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={port}",
-               "-x", "GLOO_SOCKET_IFNAME", "-x", "PATH", PY, *CHECK], clean_env())
+    out = run(
+        [
+            *MPIRUN,
+            "-np",
+            "4",
+            "-x",
+            "MASTER_ADDR=127.0.0.1",
+            "-x",
+            f"MASTER_PORT={port}",
+            "-x",
+            "GLOO_SOCKET_IFNAME",
+            "-x",
+            "PATH",
+            PY,
+            *CHECK,
+        ],
+        clean_env(),
+    )
     assert out.returncode == 0, out.stdout[-4000:]
     report = _check_json(out.stdout)
     assert report["ok"] is True and report["world_size"] == 4, report

@@ -24,8 +24,20 @@ def torchrun_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("relaunch")
     torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "8", "tests/torchrun_relaunch.py", str(out), str(CYCLES)],
-        cwd=ROOT, capture_output=True, text=True, timeout=280, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "8",
+            "tests/torchrun_relaunch.py",
+            str(out),
+            str(CYCLES),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]

@@ -27,6 +27,7 @@ from parallelctx.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
 @pytest.fixture(autouse=True)
 def no_launcher_env(clean_launcher_env: pytest.MonkeyPatch) -> None:
     """Every test here starts from an environment without launcher variables."""
@@ -40,9 +41,15 @@ def probe_worker(out_dir: str, tensor: int) -> None:
     rank = gpc.get_global_rank()
     world = gpc.get_world_size(ParallelMode.GLOBAL)
     errors = problems(verify(plan(world, tensor=tensor), {rank: probe_groups(gpc)}))
-    info = {"rank": rank, "pid": os.getpid(), "errors": errors, "local_rank": gpc.local_rank,
-            "procs_on_node": gpc.num_processes_on_current_node, "num_nodes": gpc.num_nodes,
-            "tensor": gpc.get_ranks_in_group(ParallelMode.TENSOR)}
+    info = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "errors": errors,
+        "local_rank": gpc.local_rank,
+        "procs_on_node": gpc.num_processes_on_current_node,
+        "num_nodes": gpc.num_nodes,
+        "tensor": gpc.get_ranks_in_group(ParallelMode.TENSOR),
+    }
     Path(out_dir, f"rank-{rank}.json").write_text(json.dumps(info))
 
 
@@ -77,8 +84,13 @@ def read(out_dir: Path, world: int) -> list[dict]:
 
 def test_spawn_four_ranks(tmp_path: Path) -> None:
     # a Config object (not a dict) crosses the process boundary by pickling
-    spawn(probe_worker, nprocs_per_node=4, args=(str(tmp_path), 2), config=parallelctx.Config({"parallel": {"tensor": 2}}),
-          join_timeout=300)
+    spawn(
+        probe_worker,
+        nprocs_per_node=4,
+        args=(str(tmp_path), 2),
+        config=parallelctx.Config({"parallel": {"tensor": 2}}),
+        join_timeout=300,
+    )
     rows = read(tmp_path, 4)
     assert all(r["errors"] == [] for r in rows), rows
     assert [r["local_rank"] for r in rows] == [0, 1, 2, 3]
@@ -121,8 +133,14 @@ def test_spawn_one_process_runs_in_place() -> None:
     [
         ({"nprocs_per_node": 2, "num_nodes": 2}, "dist_url='auto' .* cannot serve num_nodes=2"),
         ({"nprocs_per_node": 0}, "nprocs_per_node=0"),
-        ({"nprocs_per_node": 1, "num_nodes": 2, "node_rank": 2, "dist_url": "tcp://127.0.0.1:1"}, "node_rank=2"),
-        ({"nprocs_per_node": 2, "dist_url": "http://x"}, "must be 'auto', 'tcp://host:port' or 'file:///path'"),
+        (
+            {"nprocs_per_node": 1, "num_nodes": 2, "node_rank": 2, "dist_url": "tcp://127.0.0.1:1"},
+            "node_rank=2",
+        ),
+        (
+            {"nprocs_per_node": 2, "dist_url": "http://x"},
+            "must be 'auto', 'tcp://host:port' or 'file:///path'",
+        ),
         ({"nprocs_per_node": 2, "join_timeout": 0}, "join_timeout=0 must be positive"),
     ],
 )
@@ -142,12 +160,25 @@ def test_spawn_two_nodes_over_a_file_url(tmp_path: Path, caplog: pytest.LogCaptu
         parallelctx.spawn(test_spawn.probe_worker, nprocs_per_node=1, num_nodes=2, node_rank=1,
                           dist_url={url!r}, args=({str(out)!r}, 1), join_timeout=300)
     """)
-    other = subprocess.Popen([sys.executable, "-c", node1], cwd=ROOT, env=dict(os.environ),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", node1],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         with caplog.at_level(logging.WARNING, logger="parallelctx"):
-            spawn(probe_worker, nprocs_per_node=1, num_nodes=2, node_rank=0, dist_url=url,
-                  args=(str(out), 1), join_timeout=300)
+            spawn(
+                probe_worker,
+                nprocs_per_node=1,
+                num_nodes=2,
+                node_rank=0,
+                dist_url=url,
+                args=(str(out), 1),
+                join_timeout=300,
+            )
         output, _ = other.communicate(timeout=300)
     finally:
         if other.poll() is None:
@@ -163,20 +194,41 @@ def test_spawn_two_nodes_over_a_file_url(tmp_path: Path, caplog: pytest.LogCaptu
 
 
 def test_init_dist_rejects_unknown_launcher_and_bad_timeout() -> None:
-    with pytest.raises(ValueError, match="launcher='pbs' is not one of 'torchrun', 'pytorch', 'torch', 'mpi'"):
+    with pytest.raises(
+        ValueError, match="launcher='pbs' is not one of 'torchrun', 'pytorch', 'torch', 'mpi'"
+    ):
         init_dist("pbs")
     with pytest.raises(TypeError, match=r"timeout='60' must be seconds .* or a datetime.timedelta"):
         init_dist("pytorch", timeout="60")
     assert not gpc.is_initialized(ParallelMode.GLOBAL)
 
 
-SLURM_ONE = {"SLURM_PROCID": "0", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0",
-             "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1", "SLURM_STEP_TASKS_PER_NODE": "1",
-             "SLURM_STEP_NODELIST": "localhost", "SLURM_JOB_ID": "5"}
-TORCH_ONE = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x"}
-OMPI_ONE = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
-            "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}
+SLURM_ONE = {
+    "SLURM_PROCID": "0",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NTASKS": "1",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+    "SLURM_STEP_NUM_NODES": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "1",
+    "SLURM_STEP_NODELIST": "localhost",
+    "SLURM_JOB_ID": "5",
+}
+TORCH_ONE = {
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29999",
+    "TORCHELASTIC_RUN_ID": "x",
+}
+OMPI_ONE = {
+    "OMPI_COMM_WORLD_RANK": "0",
+    "OMPI_COMM_WORLD_SIZE": "1",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+}
 
 
 @pytest.mark.parametrize(
@@ -233,12 +285,31 @@ def test_launcher_counts_that_disagree_with_the_hosts_are_reported() -> None:
     procs = []
     for rank in (0, 1):
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        env.update({"SLURM_PROCID": str(rank), "SLURM_STEP_ID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-                    "SLURM_NODEID": str(rank), "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
-                    "SLURM_STEP_NODELIST": "localhost,127.0.0.1", "SLURM_JOB_ID": "77",
-                    "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"})
-        procs.append(subprocess.Popen([sys.executable, "-c", FAKE_SRUN_TASK], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env.update(
+            {
+                "SLURM_PROCID": str(rank),
+                "SLURM_STEP_ID": "0",
+                "SLURM_NTASKS": "2",
+                "SLURM_LOCALID": "0",
+                "SLURM_NODEID": str(rank),
+                "SLURM_STEP_NUM_NODES": "2",
+                "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                "SLURM_STEP_NODELIST": "localhost,127.0.0.1",
+                "SLURM_JOB_ID": "77",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+            }
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", FAKE_SRUN_TASK],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     try:
         for proc in procs:
