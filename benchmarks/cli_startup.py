@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from . import sections
+
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-START = "<!-- benchmarks.cli_startup: start -->"
-END = "<!-- benchmarks.cli_startup: end -->"
 COMMANDS = {
     'python -c "import torch"': [sys.executable, "-c", "import torch"],
     "python -m parallelctx plan --world-size 16 --tensor 2 --pipeline 2": [
@@ -81,19 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     if args.write_results:
         section = (
-            f"{START}\n## Start-up of the torch-free planner (issue 13)\n\n"
+            "## Start-up of the torch-free planner (issue 13)\n\n"
             f"Written by `python -m benchmarks.cli_startup --runs {args.runs} --write-results`: median of "
             f"{args.runs} fresh interpreters each; load average {load[0]:.1f} before the run. Goal: `plan` "
-            "under a third of `import torch`.\n\n" + table + f"\n{END}"
+            "under a third of `import torch`.\n\n" + table
         )
-        old = RESULTS.read_text() if RESULTS.is_file() else ""
-        pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-        new = (
-            pattern.sub(lambda _: section, old)
-            if pattern.search(old)
-            else old.rstrip("\n") + "\n\n" + section + "\n"
-        )
-        RESULTS.write_text(new)
+        sections.write_section(RESULTS, "cli_startup", section)
     return 0
 
 

@@ -29,11 +29,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import sections
 from .run import pipeline_for, sim_run, startup_run
 
 HERE = Path(__file__).resolve().parent
-START = "<!-- benchmarks.megatron_bridge: start -->"
-END = "<!-- benchmarks.megatron_bridge: end -->"
+START, END = sections.markers("megatron_bridge")
 
 
 def _ratio(run: dict[str, Any], key: str) -> tuple[float, float, float]:
@@ -94,21 +94,15 @@ def write_section(results: Path, body: str, argv: list[str]) -> None:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     section = (
-        f"{START}\n## Megatron-core on parallelctx: `launch + install()` against `initialize_model_parallel`\n\n"
+        f"## Megatron-core on parallelctx: `launch + install()` against `initialize_model_parallel`\n\n"
         f"Written by `python -m benchmarks.megatron_bridge {' '.join(argv)}` on {now} (load average "
         f"{load} after the run; {os.cpu_count()} CPU cores, gloo). Start-up from a common barrier to "
         "`parallel_state` ready (max over ranks, median of rounds; ratio = median of per-round "
         "ratios, below 1 means parallelctx is faster); Megatron-core runs with "
         "`create_gloo_process_groups=False`, the setting kindest to it. See the module docstring.\n\n"
-        f"{body}\n{END}\n"
+        f"{body}\n"
     )
-    text = results.read_text() if results.exists() else ""
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section.rstrip("\n") + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    results.write_text(text)
+    sections.write_section(results, "megatron_bridge", section)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,6 @@ import argparse
 import datetime as _dt
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -27,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from . import sections
+
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-START = "<!-- benchmarks.plugin_pool: start -->"
-END = "<!-- benchmarks.plugin_pool: end -->"
 
 POOLED = """
 import pytest
@@ -160,22 +159,15 @@ def main(argv: list[str] | None = None) -> int:
         when = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
         command = "python -m benchmarks.plugin_pool " + " ".join(argv if argv is not None else sys.argv[1:])
         section = (
-            f"{START}\n## pytest plugin: pooled vs fresh processes per test (issue 9)\n\n"
+            "## pytest plugin: pooled vs fresh processes per test (issue 9)\n\n"
             f"Appended by `{command.strip()}` on {when}: Python {platform.python_version()}, torch "
             f"{torch.__version__}, {os.cpu_count()} CPU cores, gloo on CPU; load average (1/5/15 min) "
             f"{' / '.join(f'{x:.1f}' for x in load_before)} before and "
             f"{' / '.join(f'{x:.1f}' for x in load_after)} after (the machine is shared). "
             "Seconds per test are "
-            "pytest's own call times (junit XML), setup and teardown included.\n\n" + text + f"\n{END}"
+            "pytest's own call times (junit XML), setup and teardown included.\n\n" + text
         )
-        old = RESULTS.read_text() if RESULTS.is_file() else ""
-        pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-        new = (
-            pattern.sub(lambda _: section, old)
-            if pattern.search(old)
-            else old.rstrip("\n") + "\n\n" + section + "\n"
-        )
-        RESULTS.write_text(new)
+        sections.write_section(RESULTS, "plugin_pool", section)
     return 0
 
 

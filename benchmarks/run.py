@@ -17,7 +17,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import shlex
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from . import report
+from . import report, sections
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -234,17 +233,8 @@ slower and noisier). How the numbers are made and what they mean:
   lists is timed apart.
 """
     path = out_dir / "RESULTS.md"
-    kept = kept_sections(path.read_text() if path.is_file() else "")
+    kept = sections.kept_sections(path.read_text() if path.is_file() else "")
     path.write_text(text + "".join("\n" + section + "\n" for section in kept))
-
-
-_SECTION = re.compile(r"<!-- (benchmarks\.[a-z_]+): start -->.*?<!-- \1: end -->", re.S)
-
-
-def kept_sections(text: str) -> list[str]:
-    """Return the sections other benchmark commands wrote into RESULTS.md (between their
-    ``<!-- benchmarks.NAME: start -->`` and ``end`` markers), so a full run keeps them."""
-    return [m.group(0) for m in _SECTION.finditer(text)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,10 +35,30 @@ __all__ = [
     "from_mpi",
     "from_slurm",
     "from_torchrun",
+    "is_launcher_variable",
     "launcher_named",
     "single_process",
     "slurm_port",
 ]
+
+
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_", "MPI_LOCAL")
+LAUNCHER_NAMES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def is_launcher_variable(name: str) -> bool:
+    """Return True for an environment variable a launcher sets (torchrun's, Slurm's, MPI's), the
+    ones to strip for a process that must not look launched."""
+    return name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES
 
 
 class LaunchEnvError(RuntimeError):

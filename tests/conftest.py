@@ -8,17 +8,7 @@ from typing import Any
 
 import pytest
 
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_", "MPI_LOCAL")
-LAUNCHER_NAMES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
+from parallelctx.env import is_launcher_variable
 
 
 @pytest.fixture
@@ -26,7 +16,7 @@ def clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     """No launcher's variables in this test's environment (so detection sees a plain process),
     and gloo on the loopback interface. Returns the monkeypatch for more changes."""
     for key in list(os.environ):
-        if key.startswith(LAUNCHER_PREFIXES) or key in LAUNCHER_NAMES:
+        if is_launcher_variable(key):
             monkeypatch.delenv(key)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     return monkeypatch

@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from parallelctx.env import is_launcher_variable
 from parallelctx.launch import free_port
 
 sys.path.insert(0, str(Path(__file__).parent / "launchers"))
@@ -43,16 +44,6 @@ PROBE = HERE / "launchers" / "probe.py"
 FAKE_SSH = HERE / "launchers" / "fake_ssh.sh"
 PY = sys.executable
 RUN_TIMEOUT = float(os.environ.get("PARALLELCTX_LAUNCHER_TIMEOUT", "300"))
-LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MV2_", "TORCHELASTIC_", "MPI_LOCAL")
-LAUNCHER_NAMES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-)
 MPIRUN = [
     "mpirun",
     "--allow-run-as-root",
@@ -75,9 +66,7 @@ def packages() -> None:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, plus ``extra``."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in LAUNCHER_NAMES
-    }
+    env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
     env.update(
         GLOO_SOCKET_IFNAME="lo",  # the fake host names do not resolve to an interface
         OMP_NUM_THREADS="1",

@@ -23,24 +23,14 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from ..env import is_launcher_variable
+
 __all__ = ["Pool", "PoolError", "RunOutcome", "pick_devices"]
 
 #: After one rank fails or dies, how long the others get to finish before they count as hung.
 FAILURE_GRACE_S = 3.0
 #: How long a hung worker gets to write its stacks after SIGUSR1.
 STACK_WAIT_S = 2.0
-
-_LAUNCHER_VARS = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_RUN_ID",
-)
 
 
 class PoolError(RuntimeError):
@@ -164,7 +154,7 @@ class Pool:
 
     def _start(self, start_timeout: float) -> None:
         token = secrets.token_hex(16)
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+        env = {k: v for k, v in os.environ.items() if not is_launcher_variable(k)}
         package_root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join([package_root] + [p for p in [env.get("PYTHONPATH")] if p])
         env["PARALLELCTX_POOL_TOKEN"] = token
