@@ -182,6 +182,16 @@ class ExpertConfig(AxisConfig):
         return None if value is None else _strict_int(value, "tensor", 1)
 
 
+def _only_known_keys(section: str, value: Any, fields: tuple[str, ...]) -> Any:
+    """Return ``value``; raise ValueError for a key of a mapping ``value`` that ``section`` does not
+    have (the message suggests the closest valid key)."""
+    if isinstance(value, Mapping):
+        for key in value:
+            if key not in fields:
+                raise ValueError(_unknown_key(section, key, fields))
+    return value
+
+
 class ParallelConfig(BaseModel):
     """The ``parallel`` section: sizes of the tensor, pipeline, context and expert axes and the
     rank order string. The data size is derived (``world / (tensor*pipeline*context)``); when
@@ -199,11 +209,7 @@ class ParallelConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            for key in value:
-                if key not in cls.model_fields:
-                    raise ValueError(_unknown_key("parallel", key, tuple(cls.model_fields)))
-        return value
+        return _only_known_keys("parallel", value, tuple(cls.model_fields))
 
     @field_validator("tensor", "pipeline", "context", mode="before")
     @classmethod
@@ -283,11 +289,7 @@ class DistConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, value: Any) -> Any:
-        if isinstance(value, Mapping):
-            for key in value:
-                if key not in cls.model_fields:
-                    raise ValueError(_unknown_key("dist", key, tuple(cls.model_fields)))
-        return value
+        return _only_known_keys("dist", value, tuple(cls.model_fields))
 
     @field_validator("timeout", mode="before")
     @classmethod

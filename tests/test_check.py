@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_helpers import run_torchrun
 
 from parallelctx import ParallelMode, plan
 from parallelctx.check import problems, verify
@@ -87,16 +87,7 @@ def test_summarise_finds_slowest_and_outliers() -> None:
 
 
 def _torchrun(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc-per-node", "8", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        check=False,
-    )
+    return run_torchrun(8, args, timeout)
 
 
 @pytest.mark.timeout(300)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from torchrun_helpers import run_torchrun
 
 from parallelctx import plan
 from parallelctx.cli import main
@@ -90,30 +90,17 @@ def test_module_entry_point() -> None:
 
 @pytest.mark.timeout(300)
 def test_demo_under_torchrun() -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "8",
-            "-m",
-            "parallelctx.demo",
-            "--config",
-            "configs/demo_3d.py",
-            "--sizes",
-            "4KiB,64KiB",
-            "--iters",
-            "2",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
+    argv = [
+        "-m",
+        "parallelctx.demo",
+        "--config",
+        "configs/demo_3d.py",
+        "--sizes",
+        "4KiB,64KiB",
+        "--iters",
+        "2",
+    ]
+    proc = run_torchrun(8, argv, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "parallelctx check: world=8 tp=2 cp=1 dp=2 pp=2" in out and "all checks passed" in out

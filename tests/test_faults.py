@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from torchrun_helpers import relaunch_rows
 
 from parallelctx.env import free_port
 
@@ -236,27 +237,7 @@ def test_spawn_reports_the_first_failure_not_its_consequences() -> None:
 
 @pytest.mark.timeout(600)
 def test_fifty_relaunches_under_torchrun_do_not_leak(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "4",
-            "tests/torchrun_relaunch.py",
-            str(tmp_path),
-            "50",
-            "--resources",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=560,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
-    assert sorted(r["rank"] for r in rows) == [0, 1, 2, 3]
+    rows = relaunch_rows(tmp_path, 4, 50, "--resources", timeout=560)
     worst = {"fds": 0, "threads": 0, "rss_kib": 0}
     for row in rows:
         assert all(c["errors"] == [] for c in row["cycles"]), row["rank"]

@@ -7,13 +7,10 @@ and port, proving every group of every cycle with collectives.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_helpers import relaunch_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 CYCLES = 20
@@ -22,27 +19,7 @@ CYCLES = 20
 @pytest.fixture(scope="module")
 def torchrun_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("relaunch")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    proc = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "8",
-            "tests/torchrun_relaunch.py",
-            str(out),
-            str(CYCLES),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
-    assert sorted(r["rank"] for r in rows) == list(range(8))
-    return rows
+    return relaunch_rows(out, 8, CYCLES, timeout=280)
 
 
 @pytest.mark.timeout(300)

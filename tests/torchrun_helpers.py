@@ -1,0 +1,46 @@
+"""Running a script under real torchrun from a test: the path users take."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def run_torchrun(nproc: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``torchrun --standalone --nproc-per-node NPROC ARGV...`` in the repository root.
+
+    Returns:
+        The finished process (output captured as text; the exit code is the caller's to check).
+
+    Raises:
+        subprocess.TimeoutExpired: it ran past ``timeout`` seconds.
+    """
+    return subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        check=False,
+    )
+
+
+def relaunch_rows(out: Path, nproc: int, cycles: int, *extra: str, timeout: float) -> list[dict[str, Any]]:
+    """Run tests/torchrun_relaunch.py under torchrun; return every rank's record, rank order.
+
+    Raises:
+        AssertionError: torchrun failed, or a rank wrote no record (the output is in the message).
+    """
+    proc = run_torchrun(nproc, ["tests/torchrun_relaunch.py", str(out), str(cycles), *extra], timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == list(range(nproc)), proc.stdout[-3000:]
+    return rows
