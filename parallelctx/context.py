@@ -7,9 +7,11 @@ Queries answer from plain dicts and attributes filled once at launch, so a call 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,11 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import abort as _abort
 from .args import LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, check_init_method_env, load_config
 from .groups import create_groups
 from .layout import Layout, ParallelMode
-from .rendezvous import Arrival, RendezvousError, connect_store, exchange
+from .rendezvous import Arrival, RendezvousError, agree_launch, connect_store, exchange
 from .seed import STREAMS, RNGSnapshot, RNGStreams, Stream, mode_seed, parse_stream
 
 __all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc"]
@@ -157,7 +160,6 @@ class ParallelContext:
         # Rendezvous stores by URL, kept across destroy() so that a relaunch on the same host
         # and port reuses rank 0's store server; each launch meets under its own key prefix.
         self._stores: dict[tuple[str, int, int], Any] = {}
-        self._launches = 0
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -211,6 +213,11 @@ class ParallelContext:
         self._device = torch.device("cpu")
         self._device_meshes: dict[str, Any] = {}
         self._destroy_hooks: list[Callable[[], None]] = []
+        # For abort(): the launch's store (under its agreed prefix), this process's TCP listeners
+        # before the groups were made, and the gloo listeners the launch added.
+        self._launch_kv: Any = None
+        self._listen_before: set[int] | None = None
+        self._listeners: list[_abort.Endpoint] = []
         for name in VIEW_NAMES.values():
             setattr(self, name, _Unlaunched(name))
 
@@ -331,6 +338,7 @@ class ParallelContext:
             on_node = self.detect_num_processes_on_current_node()
             self.set_device()
             self.set_seed(use_seed)
+            self._post_listeners()
         except BaseException:
             self.destroy()
             raise
@@ -430,10 +438,12 @@ class ParallelContext:
         initialised with the same rank and world size, that group is adopted and left alone by
         :meth:`destroy`.
 
-        Relaunching in the same processes works: the rendezvous store of a URL is kept across
-        :meth:`destroy` (under torchrun it is the launcher's own store) and every launch meets
-        under its own key prefix, ``parallelctx/launch-<n>``, where ``n`` counts this process's
-        launches. Every rank must therefore launch the same number of times.
+        Relaunching works, in the same processes or with some of them new (a torchrun restart,
+        a replaced rank): the rendezvous store of a URL is kept across :meth:`destroy` (under
+        torchrun it is the launcher's own store, which outlives restarts) and every launch first
+        agrees with every rank on a key prefix no earlier launch on that store used,
+        ``parallelctx/launch-<n>/`` (:func:`parallelctx.rendezvous.agree_launch`); the
+        exchange, the default group and every group made from it keep their keys under it.
 
         Before the default group is made, every rank meets every other on the store in one
         round trip (:func:`parallelctx.rendezvous.exchange`): each posts ``arrival`` (its host
@@ -462,14 +472,12 @@ class ParallelContext:
             self._owns_default_group = False
             backend = dist.get_backend()
             if arrival is not None and world_size > 1:
+                deadline = time.monotonic() + timeout.total_seconds()
+                self._launch_kv = self._adopted_store(rank, world_size, timeout, deadline)
                 self._meet(
-                    self._adopted_store(),
-                    arrival,
-                    world_size,
-                    timeout,
-                    "the default group's store",
-                    time.monotonic() + timeout.total_seconds(),
+                    self._launch_kv, arrival, world_size, timeout, "the default group's store", deadline
                 )
+            self._listen_before = set(_abort.listening())
         else:
             deadline = time.monotonic() + timeout.total_seconds()
             if world_size == 1 and init_method is None:
@@ -486,8 +494,10 @@ class ParallelContext:
                         raise ValueError("host must name the rank-0 machine (e.g. '127.0.0.1')")
                     init_method = _url(None, host, int(port))
                 store = self._launch_store(init_method, rank, world_size, timeout, deadline)
+                self._launch_kv = store
                 if arrival is not None:
                     self._meet(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
+            self._listen_before = set(_abort.listening())
             dist.init_process_group(
                 backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store
             )
@@ -506,27 +516,28 @@ class ParallelContext:
         arrivals = exchange(store, arrival, world_size, timeout, where, deadline)
         self._hostnames = tuple(a.host for a in arrivals)
 
-    def _adopted_store(self) -> Any:
-        """The adopted default group's store, under a prefix new for this launch."""
+    def _adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
+        """The adopted default group's store, under a prefix all ranks agreed is new."""
         from torch.distributed.distributed_c10d import _get_default_store
 
-        self._launches += 1
-        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", _get_default_store())
+        base = _get_default_store()
+        prefix = agree_launch(base, rank, world_size, timeout, "the default group's store", deadline)
+        return dist.PrefixStore(prefix, base)
 
     def _launch_store(
         self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float | None = None
     ) -> Any:
         """The store this launch meets on: the URL's store (rank 0 serves a ``tcp://`` one, made
-        on first use with a bounded, interruptible wait and kept after), under a prefix that is
-        new for every launch of this process."""
+        on first use with a bounded, interruptible wait and kept after), under a prefix every
+        rank agreed no earlier launch on that store used."""
         key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
             base = connect_store(url, rank, world_size, timeout, deadline)
             self._stores[key] = base
         base.set_timeout(timeout)
-        self._launches += 1
-        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", base)
+        prefix = agree_launch(base, rank, world_size, timeout, _shown_url(url), deadline)
+        return dist.PrefixStore(prefix, base)
 
     def init_parallel_groups(self) -> Layout:
         """Build the layout from the config's sizes and create this rank's process groups.
@@ -668,6 +679,77 @@ class ParallelContext:
             raise TypeError(f"add_destroy_hook takes a function of no arguments, not {hook!r}")
         if hook not in self._destroy_hooks:
             self._destroy_hooks.append(hook)
+
+    def _post_listeners(self) -> None:
+        """Note the gloo listeners this launch added and post them on the launch's store, where
+        :meth:`abort` on the other ranks finds them (one store write, no wait)."""
+        if self._listen_before is None or self._world_size < 2:
+            return
+        self._listeners = _abort.new_listeners(self._listen_before)
+        if self._launch_kv is not None:
+            with contextlib.suppress(Exception):
+                self._launch_kv.set(f"listeners/{self._global_rank}", json.dumps(self._listeners))
+
+    def _peer_listeners(self, timeout: float) -> list[_abort.Endpoint]:
+        """Every rank's gloo listeners as posted on the launch's store, read on a fresh
+        connection within ``timeout`` seconds; only this rank's when the store does not answer."""
+        kv, world, rank = self._launch_kv, self._world_size, self._global_rank
+        box: list[_abort.Endpoint] = []
+        if kv is None or world < 2:
+            return list(self._listeners)
+
+        def read() -> None:
+            store = kv.clone()
+            keys = [f"listeners/{r}" for r in range(world) if r != rank and store.check([f"listeners/{r}"])]
+            for value in store.multi_get(keys) if keys else []:
+                box.extend((address, int(port)) for address, port in json.loads(value))
+
+        thread = threading.Thread(target=read, name="parallelctx-abort", daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive() or not box:
+            logger.warning(
+                "parallelctx: abort could not read the other ranks' gloo listeners from the launch's "
+                "store within %g s; only this rank's connections are shut down",
+                timeout,
+            )
+        return list(self._listeners) + list(box)
+
+    def abort(self, timeout: float = 2.0) -> int:
+        """Abort every process group this context made, from any thread (a watchdog), without
+        waiting on a collective that hangs: NCCL groups through ``ProcessGroup.abort()``, gloo
+        groups (which do not implement it) by shutting down their TCP connections
+        (:mod:`parallelctx.abort`). A collective pending in another thread then raises a
+        ``RuntimeError`` from torch within milliseconds, and so do the peers' collectives on the
+        other end of those connections. Then call :meth:`destroy` (in the thread that ran the
+        collective) and launch again: the relaunch meets under a new key prefix, with the same
+        processes or with some of them replaced.
+
+        ``timeout`` (seconds) bounds the read of the other ranks' gloo listeners from the
+        launch's store; when it does not answer in time, only this rank's listeners are used.
+        Before launch, after :meth:`destroy` or a second time it finds nothing to do.
+
+        Returns:
+            The number of gloo connections shut down.
+
+        Raises:
+            Nothing: a group that fails to abort is logged and the others are still aborted.
+        """
+        groups: dict[int, Any] = {}
+        for g in list(self._groups.values()) + list(self._cpu_groups.values()):
+            if g is not None:
+                groups[id(g)] = g
+        if self._owns_default_group and dist.is_initialized():
+            with contextlib.suppress(Exception):
+                groups[id(dist.group.WORLD)] = dist.group.WORLD
+        for g in groups.values():
+            try:
+                g.abort()  # NCCL: ends the communicators; gloo: does nothing
+            except Exception:
+                logger.exception("parallelctx: abort of process group %r failed", g)
+        if not groups:
+            return 0
+        return _abort.shut_down(self._peer_listeners(timeout))
 
     def destroy(self) -> None:
         """Run the destroy hooks (:meth:`add_destroy_hook`), tear down every group parallelctx
