@@ -29,6 +29,7 @@ MODULES = [
     "checkcmd",
     "megatron",
     "rendezvous",
+    "abort",
     "spawn",
     "checkpoint",
     "args",

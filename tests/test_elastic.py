@@ -16,6 +16,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,24 +98,29 @@ def test_rank_3_dies_under_two_agents_and_both_restart(tmp_path: Path) -> None:
     assert final[0]["hosts"] == [final[0]["hosts"][0]] * 4
 
 
-def _kill_plan(restarts: int, seed: int) -> dict[str, dict]:
+def _kill_plan(restarts: int, world: int, seed: int) -> dict[str, dict]:
+    """Per attempt, a random rank dies at the next of the five points (a random delay for
+    ``launch``: it then dies wherever the launch is, or just after it)."""
     rng = random.Random(seed)
     points = ["before", "launch", "after", "collective", "destroy"]
     return {
-        str(a): {"rank": rng.randrange(4), "point": points[a % len(points)], "delay": round(rng.uniform(0.0, 0.6), 2)}
+        str(a): {"rank": rng.randrange(world), "point": points[a % len(points)], "delay": round(rng.uniform(0.0, 0.6), 2)}
         for a in range(restarts)
     }
 
 
 @pytest.mark.timeout(900)
 def test_twenty_restarts_with_a_worker_killed_at_random_points(tmp_path: Path) -> None:
-    restarts = 20
-    plan = _kill_plan(restarts, seed=21)
-    proc = run_torchrun(4, ["--max-restarts", str(restarts), SCRIPT, str(tmp_path), json.dumps(plan)], timeout=880)
+    # Two ranks (tensor=2), so that the 21 attempts' process start-ups stay within minutes.
+    restarts, world = 20, 2
+    plan = _kill_plan(restarts, world, seed=21)
+    start = time.monotonic()
+    proc = run_torchrun(world, ["--max-restarts", str(restarts), SCRIPT, str(tmp_path), json.dumps(plan)], timeout=880)
+    took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = attempts(tmp_path)
     assert max(found) == restarts, sorted(found)  # attempt 20, the last, completed
-    assert_proven(found[restarts], 4)
+    assert_proven(found[restarts], world)
     prefixes = []
     for attempt, rows in found.items():
         # Every rank that got through the launch proved it; a rank killed during the launch left
@@ -124,9 +130,9 @@ def test_twenty_restarts_with_a_worker_killed_at_random_points(tmp_path: Path) -
         assert len({row["prefix"] for row in rows.values()}) == 1, (attempt, rows)
         prefixes.append(next(iter(rows.values()))["prefix"])
     assert len(set(prefixes)) == len(prefixes), prefixes  # no attempt met under an earlier one's keys
-    full = [a for a, rows in found.items() if len(rows) == 4]
+    full = [a for a, rows in found.items() if len(rows) == world]
     assert len(full) >= 10, sorted(full)  # the kills after the launch leave full attempts
-    print(f"{len(found)} of {restarts + 1} attempts launched; {len(full)} recorded on all 4 ranks")
+    print(f"{len(found)} of {restarts + 1} attempts launched, {len(full)} on every rank; {took:.0f} s in all")
 
 
 @pytest.mark.timeout(300)
@@ -174,3 +180,29 @@ def test_abort_ends_a_hung_collective_and_the_relaunch_works(tmp_path: Path, who
         f"{who}: collective raised {max(r['after_abort_s'] for r in stuck):.2f} s after abort(); "
         f"abort() took {max(r['abort_s'] for r in stuck):.2f} s; relaunch {max(r['relaunch_s'] for r in rows):.2f} s"
     )
+
+
+@pytest.mark.timeout(600)
+def test_inprocess_restart_recipe(tmp_path: Path) -> None:
+    # examples/inprocess_restart.py: rank 3 hangs at step 10 of 30; the watchdogs abort, ranks
+    # 0-2 relaunch in their own processes and a new rank 3 joins; the weight matches serial.
+    out = tmp_path / "inprocess.json"
+    proc = subprocess.run(
+        [sys.executable, "examples/inprocess_restart.py", "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=580,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    times, events = result["times"], result["events"]
+    assert [(r["rank"], r["code"]) for r in result["replaced"]] == [(3, 75)]  # only the hung rank
+    assert set(times["final_weights"].values()) == {times["serial_weight"]}
+    assert sorted(times["final_weights"]) == ["0", "1", "2", "3"]
+    for rank in (0, 1, 2):  # the survivors relaunched in the same process
+        pids = {(r["event"], r["pid"]) for r in events if r["rank"] == rank and r["event"] == "launched"}
+        assert len(pids) == 1 and len([r for r in events if r["rank"] == rank and r["event"] == "launched"]) == 2
+    assert times["abort_to_raise_s"] < 5.0, times
+    print({k: round(v, 2) for k, v in times.items() if isinstance(v, float)})
