@@ -9,8 +9,8 @@ end. This module finds them from this process's own sockets (``/proc/self/fd`` a
 ``/proc/net/tcp``, so Linux only): :func:`listening` lists the TCP listeners of this process,
 :func:`new_listeners` those a launch added (the gloo listeners, one per group, made when the
 group is made even where gloo connects lazily), and :func:`shut_down` shuts down every
-established connection to or from a listener of a given set (this rank's and its peers', which
-the launch posts on its store). The descriptors stay open for gloo to close; nothing else in the
+established connection to or from a listener of a given set (this rank's and its peers':
+:func:`post_listeners` and :func:`read_listeners` carry them over the launch's store). The descriptors stay open for gloo to close; nothing else in the
 process is touched. Linux only: elsewhere :func:`shut_down` finds nothing.
 
 Imports nothing from parallelctx.
@@ -19,12 +19,19 @@ Imports nothing from parallelctx.
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import socket
+import threading
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
-__all__ = ["Endpoint", "listening", "new_listeners", "shut_down"]
+__all__ = [
+    "Endpoint",
+    "abort_groups",
+    "listening", "new_listeners", "post_listeners", "read_listeners", "shut_down"]
 
 # A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port).
 Endpoint = tuple[str, int]
@@ -110,3 +117,47 @@ def shut_down(listeners: Collection[Endpoint]) -> int:
             if copy >= 0:
                 os.close(copy)
     return done
+
+
+def post_listeners(store: Any, rank: int, listeners: Collection[Endpoint]) -> None:
+    """Post ``listeners`` (this rank's gloo listeners) on the launch's ``store``, where the other
+    ranks' :func:`read_listeners` finds them: one write, no wait; a store error is ignored (abort
+    then shuts down fewer connections)."""
+    with contextlib.suppress(Exception):
+        store.set(f"listeners/{rank}", json.dumps(sorted(listeners)))
+
+
+def read_listeners(store: Any, rank: int, world_size: int, timeout: float) -> list[Endpoint] | None:
+    """Return the gloo listeners every other rank posted on the launch's ``store``, read on a new
+    connection in a helper thread within ``timeout`` seconds (the calling thread's own store
+    connection may be busy in a hung call). Returns None when the store did not answer in time."""
+    box: list[Endpoint] = []
+    done = threading.Event()
+
+    def read() -> None:
+        with contextlib.suppress(Exception):
+            fresh = store.clone()
+            keys = [f"listeners/{r}" for r in range(world_size) if r != rank and fresh.check([f"listeners/{r}"])]
+            for value in fresh.multi_get(keys) if keys else []:
+                box.extend((address, int(port)) for address, port in json.loads(value))
+            done.set()
+
+    threading.Thread(target=read, name="parallelctx-abort", daemon=True).start()
+    return box if done.wait(timeout) else None
+
+
+def abort_groups(groups: Collection[Any], include_default: bool) -> None:
+    """Call ``abort()`` on each distinct group of ``groups`` (None skipped), and on the default
+    group when ``include_default`` and it exists: NCCL ends its communicators; gloo, which does
+    not implement abort, does nothing (:func:`shut_down` ends its collectives). A group that
+    fails to abort is logged; returns None."""
+    import torch.distributed as dist
+
+    distinct: dict[int, Any] = {id(g): g for g in groups if g is not None}
+    if include_default and dist.is_initialized() and dist.group.WORLD is not None:
+        distinct[id(dist.group.WORLD)] = dist.group.WORLD
+    for g in distinct.values():
+        try:
+            g.abort()
+        except Exception:
+            logging.getLogger("parallelctx").exception("parallelctx: abort of process group %r failed", g)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import ParallelMode, gpc
-from parallelctx.check import probe_groups, problems, verify
+from parallelctx.cli.verify import probe_groups, problems, verify
 
 CONFIG = {"parallel": {"tensor": 2, "pipeline": 2}, "dist": {"timeout": 60}}
 

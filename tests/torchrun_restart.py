@@ -81,7 +81,7 @@ def main() -> int:
         return _plain(out, attempt, rank, kill)
     import parallelctx
     from parallelctx import ParallelMode, gpc
-    from parallelctx.check import probe_groups, problems, verify
+    from parallelctx.cli.verify import probe_groups, problems, verify
 
     if point == "before":
         _die()
