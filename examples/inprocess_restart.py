@@ -134,13 +134,27 @@ def worker(args: argparse.Namespace) -> int:
 def supervise(args: argparse.Namespace) -> dict[str, Any]:
     """Start the workers, replace a rank that fails, wait for all; return events and times."""
     port = free_port()
-    events = Path(args.json).with_suffix(".events.jsonl") if args.json else Path(f"/tmp/inprocess-{port}.jsonl")
+    events = (
+        Path(args.json).with_suffix(".events.jsonl") if args.json else Path(f"/tmp/inprocess-{port}.jsonl")
+    )
     events.unlink(missing_ok=True)
 
     def start(rank: int, replacement: bool) -> subprocess.Popen:
-        argv = [sys.executable, __file__, "--worker", "--rank", str(rank), "--port", str(port), "--events", str(events)]
+        argv = [
+            sys.executable,
+            __file__,
+            "--worker",
+            "--rank",
+            str(rank),
+            "--port",
+            str(port),
+            "--events",
+            str(events),
+        ]
         argv += ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step)]
-        argv += ["--hang", str(args.hang), "--grace", str(args.grace)] + (["--replacement"] if replacement else [])
+        argv += ["--hang", str(args.hang), "--grace", str(args.grace)] + (
+            ["--replacement"] if replacement else []
+        )
         return subprocess.Popen(argv)
 
     began = time.time()
@@ -172,10 +186,14 @@ def summarize(rows: list[dict], replaced: list[dict], args: argparse.Namespace) 
     """The recovery's timeline in seconds: detection, unblock, teardown, replacement, relaunch."""
 
     def first(event: str, **match: Any) -> float:
-        return min(r["t"] for r in rows if r["event"] == event and all(r.get(k) == v for k, v in match.items()))
+        return min(
+            r["t"] for r in rows if r["event"] == event and all(r.get(k) == v for k, v in match.items())
+        )
 
     def last(event: str, **match: Any) -> float:
-        return max(r["t"] for r in rows if r["event"] == event and all(r.get(k) == v for k, v in match.items()))
+        return max(
+            r["t"] for r in rows if r["event"] == event and all(r.get(k) == v for k, v in match.items())
+        )
 
     survivors = [r for r in range(args.world) if r != 3]
     hang = first("hang")
@@ -221,7 +239,10 @@ def main() -> int:
         print(f"{key}: {value if not isinstance(value, float) else round(value, 3)}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
-    ok = all(w == times["serial_weight"] for w in times["final_weights"].values()) and len(times["final_weights"]) == args.world
+    ok = (
+        all(w == times["serial_weight"] for w in times["final_weights"].values())
+        and len(times["final_weights"]) == args.world
+    )
     print("final weight matches the serial computation on every rank" if ok else "MISMATCH")
     return 0 if ok else 1
 

@@ -31,7 +31,12 @@ from typing import Any
 __all__ = [
     "Endpoint",
     "abort_groups",
-    "listening", "new_listeners", "post_listeners", "read_listeners", "shut_down"]
+    "listening",
+    "new_listeners",
+    "post_listeners",
+    "read_listeners",
+    "shut_down",
+]
 
 # A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port).
 Endpoint = tuple[str, int]
@@ -137,7 +142,9 @@ def read_listeners(store: Any, rank: int, world_size: int, timeout: float) -> li
     def read() -> None:
         with contextlib.suppress(Exception):
             fresh = store.clone()
-            keys = [f"listeners/{r}" for r in range(world_size) if r != rank and fresh.check([f"listeners/{r}"])]
+            keys = [
+                f"listeners/{r}" for r in range(world_size) if r != rank and fresh.check([f"listeners/{r}"])
+            ]
             for value in fresh.multi_get(keys) if keys else []:
                 box.extend((address, int(port)) for address, port in json.loads(value))
             done.set()

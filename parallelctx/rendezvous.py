@@ -450,7 +450,9 @@ def exchange(
     return arrivals
 
 
-def _not_arrived(missing: Sequence[int] | None, world_size: int, seconds: float, where: str) -> RendezvousError:
+def _not_arrived(
+    missing: Sequence[int] | None, world_size: int, seconds: float, where: str
+) -> RendezvousError:
     """The error for ranks (None: unknown ones) that did not arrive within the timeout."""
     many = missing is None or len(missing) > 1
     names = "some ranks" if missing is None else f"rank{'s' if many else ''} " + rank_list(missing)

@@ -40,7 +40,13 @@ def proven(rank: int) -> dict:
 
 def main() -> int:
     """Run the test on this rank; return 0 (the test reads the JSON file)."""
-    rank, world, port, out, who = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5]
+    rank, world, port, out, who = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        Path(sys.argv[4]),
+        sys.argv[5],
+    )
     parallelctx.launch(CONFIG, rank=rank, world_size=world, port=port)
     record: dict = {"rank": rank, "first": proven(rank)}
     stuck = rank != 3 if who == "all-but-3" else rank == 0

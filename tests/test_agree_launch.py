@@ -47,7 +47,11 @@ def one_round(
         try:
             prefix = agree_launch(store, rank, world, timeout, "test") if agree else "parallelctx/launch-1"
             arrivals = exchange(
-                dist.PrefixStore(prefix, store), Arrival(rank, "h", {"attempt": attempt}), world, timeout, "test"
+                dist.PrefixStore(prefix, store),
+                Arrival(rank, "h", {"attempt": attempt}),
+                world,
+                timeout,
+                "test",
             )
             results[rank] = (prefix, [a.values["attempt"] for a in arrivals])
         except Exception as exc:  # recorded, the test asserts on it
@@ -98,7 +102,9 @@ def test_a_missing_rank_is_named_on_every_rank(server: dist.TCPStore) -> None:
     for t in threads:
         t.join(10)
     assert all(e is not None and e.ranks == (2,) for e in errors), errors
-    assert "rank 2 of world_size=3 did not arrive at the rendezvous 127.0.0.1:1 within 1.5 s" in str(errors[0])
+    assert "rank 2 of world_size=3 did not arrive at the rendezvous 127.0.0.1:1 within 1.5 s" in str(
+        errors[0]
+    )
 
 
 def test_rank_0_missing_is_named(server: dist.TCPStore) -> None:

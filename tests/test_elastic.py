@@ -84,6 +84,12 @@ def test_rank_3_dies_and_the_second_attempt_launches(tmp_path: Path) -> None:
     assert_proven(found[0], 4)
     assert_proven(found[1], 4)
     assert found[0][0]["prefix"] != found[1][0]["prefix"]
+    died = found[0][3]["launched_at"]  # rank 3 exits right after writing this
+    print(
+        f"rank 3 exited; attempt 1's processes started {min(r['started_at'] for r in found[1].values()) - died:.1f} s "
+        f"later and launched {max(r['launched_at'] for r in found[1].values()) - died:.1f} s later "
+        f"(launch itself {max(r['launch_s'] for r in found[1].values()):.2f} s)"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -93,7 +99,10 @@ def test_rank_3_dies_under_two_agents_and_both_restart(tmp_path: Path) -> None:
     plan = {"0": {"rank": 3, "point": "after"}}
     agents = two_agents(tmp_path, plan, timeout=280)
     assert [a.returncode for a in agents] == [0, 0], "\n".join(a.stdout[-3000:] for a in agents)
-    final = {r: json.loads((tmp_path / f"attempt-{a}-rank-{r}.json").read_text()) for r, a in ((0, 0), (1, 0), (2, 1), (3, 1))}
+    final = {
+        r: json.loads((tmp_path / f"attempt-{a}-rank-{r}.json").read_text())
+        for r, a in ((0, 0), (1, 0), (2, 1), (3, 1))
+    }
     assert_proven(final, 4)
     assert final[0]["hosts"] == [final[0]["hosts"][0]] * 4
 
@@ -104,7 +113,11 @@ def _kill_plan(restarts: int, world: int, seed: int) -> dict[str, dict]:
     rng = random.Random(seed)
     points = ["before", "launch", "after", "collective", "destroy"]
     return {
-        str(a): {"rank": rng.randrange(world), "point": points[a % len(points)], "delay": round(rng.uniform(0.0, 0.6), 2)}
+        str(a): {
+            "rank": rng.randrange(world),
+            "point": points[a % len(points)],
+            "delay": round(rng.uniform(0.0, 0.6), 2),
+        }
         for a in range(restarts)
     }
 
@@ -115,7 +128,9 @@ def test_twenty_restarts_with_a_worker_killed_at_random_points(tmp_path: Path) -
     restarts, world = 20, 2
     plan = _kill_plan(restarts, world, seed=21)
     start = time.monotonic()
-    proc = run_torchrun(world, ["--max-restarts", str(restarts), SCRIPT, str(tmp_path), json.dumps(plan)], timeout=880)
+    proc = run_torchrun(
+        world, ["--max-restarts", str(restarts), SCRIPT, str(tmp_path), json.dumps(plan)], timeout=880
+    )
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     found = attempts(tmp_path)
@@ -140,7 +155,9 @@ def test_torch_alone_fails_after_the_restart(tmp_path: Path) -> None:
     # The comparison: init_process_group from torchrun's variables, rank 3 dies after the launch
     # on attempt 0. The agent store keeps attempt 0's keys and the restarted ranks read them.
     plan = {"0": {"rank": 3, "point": "after"}}
-    proc = run_torchrun(4, ["--max-restarts", "1", SCRIPT, str(tmp_path), json.dumps(plan), "--plain"], timeout=280)
+    proc = run_torchrun(
+        4, ["--max-restarts", "1", SCRIPT, str(tmp_path), json.dumps(plan), "--plain"], timeout=280
+    )
     assert proc.returncode != 0
     found = attempts(tmp_path)
     assert all(row["launched"] for row in found[0].values()), found[0]
@@ -155,7 +172,15 @@ def test_abort_ends_a_hung_collective_and_the_relaunch_works(tmp_path: Path, who
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "abort_worker.py"), str(r), "4", str(port), str(tmp_path), who],
+            [
+                sys.executable,
+                str(ROOT / "tests" / "abort_worker.py"),
+                str(r),
+                "4",
+                str(port),
+                str(tmp_path),
+                who,
+            ],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -203,6 +228,8 @@ def test_inprocess_restart_recipe(tmp_path: Path) -> None:
     assert sorted(times["final_weights"]) == ["0", "1", "2", "3"]
     for rank in (0, 1, 2):  # the survivors relaunched in the same process
         pids = {(r["event"], r["pid"]) for r in events if r["rank"] == rank and r["event"] == "launched"}
-        assert len(pids) == 1 and len([r for r in events if r["rank"] == rank and r["event"] == "launched"]) == 2
+        assert (
+            len(pids) == 1 and len([r for r in events if r["rank"] == rank and r["event"] == "launched"]) == 2
+        )
     assert times["abort_to_raise_s"] < 5.0, times
     print({k: round(v, 2) for k, v in times.items() if isinstance(v, float)})

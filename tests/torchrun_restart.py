@@ -73,6 +73,7 @@ def _plain(out: Path, attempt: int, rank: int, kill: dict | None) -> int:
 
 def main() -> int:
     """Run this attempt on this rank; return 0 when it completed (torchrun restarts on non-zero)."""
+    started_at = time.time()
     out, plan = Path(sys.argv[1]), json.loads(sys.argv[2])
     attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     kill = plan.get(str(attempt))
@@ -110,6 +111,8 @@ def main() -> int:
         "tensor_sum": value.item(),
         "tensor_expected": expected,
         "launch_s": launch_s,
+        "started_at": started_at,
+        "launched_at": time.time(),
         "hosts": list(gpc.hostnames),
     }
     (out / f"attempt-{attempt}-rank-{rank}.json").write_text(json.dumps(record))
