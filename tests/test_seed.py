@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,23 @@ def test_seeds_fit_32_bits_and_two_share_one_only_for_the_same_stream_coordinate
             assert 0 <= seed < 2**32
             key = (str(stream), tuple(coords[a] for a in STREAM_AXES[stream]))
             assert owner.setdefault(seed, key) == key, f"{key} and {owner[seed]} share seed {seed}"
+
+
+def test_seed_table_in_the_docs_is_the_formulas() -> None:
+    # docs/seeds.md shows every stream's seed on a 4-rank world; regenerate it from the formula
+    text = (Path(__file__).resolve().parent.parent / "docs" / "seeds.md").read_text()
+    marker = "<!-- seed-table: world=4 tensor=2 pipeline=2 base=1024 -->\n"
+    shown = text.split(marker, 1)[1].split("\n\n", 1)[0].strip()
+    layout = plan(4, tensor=2, pipeline=2)
+    where = [layout.coords(r) for r in range(4)]
+    rows = [
+        "| stream | "
+        + " | ".join(f"rank {r} (tp {c['tp']}, pp {c['pp']})" for r, c in enumerate(where))
+        + " |",
+        "| --- | --- | --- | --- | --- |",
+        *(
+            f"| {s} | " + " | ".join(str(mode_seed(layout, r, s, 1024)) for r in range(4)) + " |"
+            for s in STREAMS
+        ),
+    ]
+    assert shown == "\n".join(rows), "paste this table into docs/seeds.md:\n" + "\n".join(rows)
