@@ -205,14 +205,20 @@ class RNGStreams:
         states[self._active] = self._capture()
         return RNGSnapshot(self._active, states)
 
-    def restore(self, snap: RNGSnapshot) -> None:
-        """Put every stream back to ``snap``, wherever the caller is: the generators get the
-        state of the stream active now, the other streams wait in the table.
+    def restore(self, snap: RNGSnapshot, activate: bool = False) -> None:
+        """Put every stream back to ``snap``. By default the stream active now stays active
+        (``gpc.set_rng_state`` inside a ``with gpc.seed`` block): the generators get its state
+        from ``snap``. With ``activate=True`` the stream active in ``snap`` becomes active again,
+        as for a recomputation; the caller must then restore a later snapshot the same way
+        (:meth:`replay` does both).
 
         Raises:
             KeyError: ``snap`` lacks a stream this object has (it came from another layout).
         """
         self._check(snap)
+        if activate:
+            self._load(snap)
+            return
         self._states = dict(snap.states)
         self._restore(self._states[self._active])
 
@@ -226,13 +232,12 @@ class RNGStreams:
         Raises:
             KeyError: ``snap`` lacks a stream this object has (it came from another layout).
         """
-        self._check(snap)
         now = self.snapshot()
-        self._load(snap)
+        self.restore(snap, activate=True)
         try:
             yield
         finally:
-            self._load(now)
+            self.restore(now, activate=True)
 
     def _check(self, snap: RNGSnapshot) -> None:
         missing = set(self._states) - set(snap.states)
