@@ -135,22 +135,27 @@ def post_listeners(store: Any, rank: int, listeners: Collection[Endpoint]) -> No
 def read_listeners(store: Any, rank: int, world_size: int, timeout: float) -> list[Endpoint] | None:
     """Return the gloo listeners every other rank posted on the launch's ``store``, read on a new
     connection in a helper thread within ``timeout`` seconds (the calling thread's own store
-    connection may be busy in a hung call). Returns None when the store did not answer in time."""
+    connection may be busy in a hung call). Returns None when the store did not answer in time or
+    could not be read (e.g. a store that cannot be cloned)."""
     box: list[Endpoint] = []
+    failed: list[BaseException] = []
     done = threading.Event()
 
     def read() -> None:
-        with contextlib.suppress(Exception):
+        try:
             fresh = store.clone()
             keys = [
                 f"listeners/{r}" for r in range(world_size) if r != rank and fresh.check([f"listeners/{r}"])
             ]
             for value in fresh.multi_get(keys) if keys else []:
                 box.extend((address, int(port)) for address, port in json.loads(value))
+        except Exception as exc:  # a store that cannot be cloned or read: the caller is told
+            failed.append(exc)
+        finally:
             done.set()
 
     threading.Thread(target=read, name="parallelctx-abort", daemon=True).start()
-    return box if done.wait(timeout) else None
+    return box if done.wait(timeout) and not failed else None
 
 
 def abort_groups(groups: Collection[Any], include_default: bool) -> None:

@@ -410,7 +410,8 @@ class ParallelContext:
         if peers is None:
             logger.warning(
                 "parallelctx: abort could not read the other ranks' gloo listeners from the launch's "
-                "store within %g s; only the connections to this rank's listeners are shut down",
+                "store (no answer within %g s, or a store that cannot be cloned); only the "
+                "connections to this rank's listeners are shut down",
                 timeout,
             )
         return _abort.shut_down([*self._listeners, *(peers or [])])
