@@ -340,7 +340,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in marked:
         if isinstance(item, pytest.Function):
-            item.fixturenames = []  # type: ignore[misc]
+            item.fixturenames = []
     pools = config.stash.get(_POOLS, None)
     if pools is not None:
         files = set(pools.session["files"]) | {str(item.path) for item in marked}
@@ -351,7 +351,8 @@ def _test_folder(item: pytest.Function) -> Path:
     """A new folder for this test, shared by all its ranks (their ``tmp_path``), made the way
     pytest's own ``tmp_path`` is."""
     name = re.sub(r"[\W]", "_", item.name)[:30]
-    return item.config._tmp_path_factory.mktemp(name, numbered=True)
+    factory: pytest.TempPathFactory = item.config._tmp_path_factory  # type: ignore[attr-defined]
+    return factory.mktemp(name, numbered=True)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -234,10 +234,12 @@ class Pool:
         ready: set[int] = set()
         while len(ready) < self.world_size:
             self._check_starting(deadline, start_timeout, ready)
-            for conn in wait([self._conns[r] for r in range(self.world_size) if r not in ready], timeout=0.2):
-                rank = next(r for r, c in self._conns.items() if c is conn)
+            for ready_conn in wait(
+                [self._conns[r] for r in range(self.world_size) if r not in ready], timeout=0.2
+            ):
+                rank = next(r for r, c in self._conns.items() if c is ready_conn)
                 try:
-                    message = conn.recv()
+                    message = self._conns[rank].recv()
                 except (EOFError, OSError):
                     continue  # its exit is reported by _check_starting
                 if message[0] == "ready":
@@ -312,10 +314,10 @@ class Pool:
                 break
             if given_up_at is not None and now > given_up_at:
                 break
-            for conn in wait([self._conns[r] for r in running - broken], timeout=0.1):
-                rank = next(r for r, c in self._conns.items() if c is conn)
+            for ready_conn in wait([self._conns[r] for r in running - broken], timeout=0.1):
+                rank = next(r for r, c in self._conns.items() if c is ready_conn)
                 try:
-                    message = conn.recv()
+                    message = self._conns[rank].recv()
                 except (EOFError, OSError, pickle.UnpicklingError):
                     broken.add(rank)
                     outcome.dead[rank] = _describe_exit(self._procs[rank].poll())
@@ -377,10 +379,10 @@ class Pool:
         deadline = time.monotonic() + 10.0
         pending = set(running)
         while pending and time.monotonic() < deadline:
-            for conn in wait([self._conns[r] for r in pending], timeout=0.2):
-                rank = next(r for r, c in self._conns.items() if c is conn)
+            for ready_conn in wait([self._conns[r] for r in pending], timeout=0.2):
+                rank = next(r for r, c in self._conns.items() if c is ready_conn)
                 try:
-                    message = conn.recv()
+                    message = self._conns[rank].recv()
                 except (EOFError, OSError, pickle.UnpicklingError):
                     broken.add(rank)
                     pending.discard(rank)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["RANK_PLUGIN_NAME", "PEER_LOSS_PATTERNS", "RankPlugin", "is_peer_loss", "start_session"]
+__all__ = ["PEER_LOSS_PATTERNS", "RANK_PLUGIN_NAME", "RankPlugin", "is_peer_loss", "start_session"]
 
 #: Name under which :class:`RankPlugin` is registered; the main plugin checks it to know it runs
 #: on a rank (and must run tests, not send them to a pool).

@@ -151,7 +151,9 @@ def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str
         phase = {"setup": " in setup (gpc launch or a fixture)", "teardown": " in teardown"}.get(
             first["phase"], ""
         )
-        head.append(f"{format_ranks(list(lead))} of {world} failed{phase}{where}: {_first_line(first['message'])}")
+        head.append(
+            f"{format_ranks(list(lead))} of {world} failed{phase}{where}: {_first_line(first['message'])}"
+        )
     elif cause is not None:  # died
         lead = {cause[1]}
         head.append(

@@ -102,12 +102,11 @@ def _run_child(conn: Connection, spec: dict[str, Any], rank: int, world_size: in
     sys.stdout.flush()
     sys.stderr.flush()
     conn.send(("result", result))
-    if result["outcome"] == "passed":
-        # Stay (with rank 0's store and this rank's connections) until every rank has answered:
-        # a rank that is done must not pull the store or a connection from under a slower one.
-        # A rank that failed or skipped leaves at once, so that its peers' collectives end.
-        if conn.poll(spec["timeout"] + 10.0):
-            conn.recv()
+    # A rank that passed stays (with rank 0's store and its connections) until every rank has
+    # answered: it must not pull the store or a connection from under a slower one. A rank that
+    # failed or skipped leaves at once, so that its peers' collectives end.
+    if result["outcome"] == "passed" and conn.poll(spec["timeout"] + 10.0):
+        conn.recv()
     del store
 
 
