@@ -163,7 +163,8 @@ class Pool:
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The environment a rank gets from the controller's ``base``: launcher variables
-        dropped, one OpenMP thread unless set, no GPU on a CPU pool, and this package importable.
+        dropped, one OpenMP thread unless set, no GPU on a CPU pool (on a GPU pool, CUDA
+        availability asked of NVML), and this package importable.
 
         Returns:
             The environment dict.
@@ -178,6 +179,8 @@ class Pool:
         if self.devices == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        else:  # torch.cuda.is_available() asks NVML, so the rank processes fork without CUDA
+            env.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         return env
 
     def _start(self, start_timeout: float, session: dict[str, Any]) -> None:
