@@ -119,9 +119,10 @@ def parse_stream(stream: Stream) -> Any:
     """Return the stream key for ``stream``: a :class:`ParallelMode`, or :data:`REPLICA`.
 
     Raises:
-        LayoutError: ``stream`` names neither a mode nor ``"replica"``.
+        LayoutError: ``stream`` names neither a mode (any name of :meth:`ParallelMode.parse`) nor
+            ``"replica"`` (any case).
     """
-    if stream == REPLICA:
+    if isinstance(stream, str) and stream.lower() == REPLICA:
         return REPLICA
     return ParallelMode.parse(stream)
 
@@ -256,9 +257,13 @@ class RNGStreams:
 
         The generators always hold the active stream; the others wait in ``_states``.
 
+        ``mode`` is a stream key or any name of one (``"tensor"``, ``"tp"``, ``"replica"``).
+
         Raises:
-            KeyError: ``mode`` has no stream.
+            LayoutError: ``mode`` names no stream.
+            KeyError: ``mode`` has no stream here.
         """
+        mode = parse_stream(mode)  # a plain name must find the active stream by identity below
         outer = self._active
         if mode is outer:
             yield
