@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from megatron_workers import run
 
 import parallelctx
 from parallelctx import ParallelMode, plan
 from parallelctx.launch import free_port
+from parallelctx.megatron import COLLECTION_FIELDS
 
 WORLD = 8
 D = "tp-cp-ep-dp-pp"
@@ -42,11 +44,35 @@ CASES: list[dict[str, Any]] = [
         "uninstall_by": "uninstall",
     },
     {"name": "pp_not_last", "tp": 2, "pp": 2, "cp": 1, "ep": 2, "etp": 1, "order": P},
-    {"name": "tp1_context", "tp": 1, "pp": 2, "cp": 2, "ep": 1, "etp": 1, "order": D},
-    {"name": "pp4_virtual", "tp": 1, "pp": 4, "cp": 1, "ep": 1, "etp": 1, "order": D, "vpp": 2},
+    {
+        "name": "tp1_context_options",
+        "tp": 1,
+        "pp": 2,
+        "cp": 2,
+        "ep": 1,
+        "etp": 1,
+        "order": D,
+        "options": {
+            "create_all_gather_group": True,
+            "hybrid_context_parallel": True,
+            "hierarchical_context_parallel_sizes": [2, 1],
+            "num_distributed_optimizer_instances": 1,
+        },
+    },
+    {
+        "name": "pp4_virtual_no_gloo",
+        "tp": 1,
+        "pp": 4,
+        "cp": 1,
+        "ep": 1,
+        "etp": 1,
+        "order": D,
+        "vpp": 2,
+        "options": {"create_gloo_process_groups": False, "hierarchical_context_parallel_sizes": [1]},
+    },
     {"name": "tp4_cp2_world", "tp": 4, "pp": 1, "cp": 2, "ep": 2, "etp": 4, "order": P},
 ]
-LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "order": D}
+LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 2, "order": D}
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +188,18 @@ def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], ind
         for token in ("tp-dp-cp", "tp-dp", "tp-cp"):
             members = _megatron_ranks(case, token, r)
             assert proofs[token] == [int(i in members) for i in range(WORLD)], (r, token)
-        assert proofs["dp-cp-gloo"] == [int(i in _megatron_ranks(case, "dp-cp", r)) for i in range(WORLD)]
         if _layout(case).local_rank(ParallelMode.PIPELINE, r) == 0:
             assert proofs["position-embedding"] == [int(i == r) for i in range(WORLD)]
         else:
             assert "position-embedding" not in proofs
+        options = case.get("options", {})
+        dp_cp = [int(i in _megatron_ranks(case, "dp-cp", r)) for i in range(WORLD)]
+        assert proofs.get("dp-cp-gloo", dp_cp) == dp_cp
+        assert ("dp-cp-gloo" in proofs) is options.get("create_gloo_process_groups", True)
+        if options.get("create_all_gather_group"):
+            assert proofs["all-gather"] == dp_cp
+        hcp = options.get("hierarchical_context_parallel_sizes", [])
+        assert sum(k.startswith("hcp") for k in proofs) == len(hcp)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
@@ -216,11 +249,68 @@ def test_tracker_dropout_differs_across_tensor_ranks_and_agrees_across_replicas(
                 assert masks[r]["default"] == masks[peer]["default"]
         for replica in layout.group_of(ParallelMode.DATA, r):
             assert masks[r]["tp"] == masks[replica]["tp"]  # data replicas: same shard masks
-    seeds = {tuple(rec["seed_after_manual_seed"]) for rec in records}
-    base = 4321
+    for rec in records:  # Megatron's seeds, reported by gpc
+        tp_rank = layout.local_rank(ParallelMode.TENSOR, rec["rank"])
+        assert rec["seed_after_manual_seed"] == [4321 + 2718 + tp_rank, 4321]
+
+
+def _draws(seed: int, n: int = 8) -> list[float]:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_model_parallel_cuda_manual_seed_seeds_the_streams_as_megatron(records: list[dict[str, Any]]) -> None:
+    # Draws (3 from the tracker, 3 from gpc's stream, 2 from the tracker again) equal a CPU
+    # generator seeded with Megatron's formula: one stream, whichever way it is entered.
+    layout = _layout(LAYER_CASE)
+    ep_ranks = set()
     for rec in records:
-        assert rec["seed_after_manual_seed"][1] == base  # model_parallel_cuda_manual_seed re-seeded gpc
-    assert len(seeds) == 2  # two tensor ranks
+        r = rec["rank"]
+        tp = layout.local_rank(ParallelMode.TENSOR, r)
+        ep = layout.local_rank(ParallelMode.EXPERT, r)
+        etp = layout.local_rank(ParallelMode.EXPERT_TENSOR, r)
+        ep_ranks.add((ep, etp))
+        assert rec["seeding_ranks"] == {"tp": tp, "ep": ep, "etp": etp}
+        for reset in ("reset=False", "reset=True"):
+            got = rec["seeding"][reset]
+            assert got["tracker_class"] == "GpcRNGTracker", reset
+            assert got["tp"] == _draws(1234 + 2718 + tp), (r, reset)
+            assert got["ep"] == _draws(1234 + 1024 + 100 * ep + etp), (r, reset)
+            assert got["dp"] == _draws(1234), (r, reset)
+    assert ep_ranks == {(0, 0), (0, 1), (1, 0), (1, 1)}  # every expert seed was exercised
+
+
+def test_forced_tracker_reset_keeps_gpc_checkpoint_replaying_it(records: list[dict[str, Any]]) -> None:
+    for rec in records:
+        found = rec["forced_reset_checkpoint"]
+        assert found["tracker_class"] == "GpcRNGTracker"
+        assert found["grad_nonzero"] > 10  # dropout kept some, dropped some
+        assert found["grad_diff"] == 0.0, rec["rank"]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_process_groups_equal_use_mpu_process_groups(records: list[dict[str, Any]], index: int) -> None:
+    # Every field of the collection, by members, None where Megatron leaves it unset.
+    fields = set(COLLECTION_FIELDS)
+    for rec in records:
+        found = rec["cases"][index]
+        theirs, ours = found["their_collection"], found["our_collection"]
+        assert set(theirs) == set(ours) == fields
+        wrong = {k: (theirs[k], ours[k]) for k in fields if theirs[k] != ours[k]}
+        assert not wrong, f"rank {rec['rank']} {CASES[index]['name']}: {wrong}"
+        assert theirs["inter_dist_opt"] is None and theirs["tp"] is not None
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_pg_collection_route_leaves_parallel_state_alone(records: list[dict[str, Any]], index: int) -> None:
+    case = CASES[index]
+    for rec in records:
+        r, route = rec["rank"], rec["cases"][index]["route"]
+        assert route["changed"] == [] and route["is_initialized"] is False
+        assert route["same_object"] is True and route["made_again"] == 0
+        for token in ("tp_dp_cp", "tp_cp"):  # the groups it made answer a collective
+            members = _megatron_ranks(case, token.replace("_", "-"), r)
+            assert route[token] == [int(i in members) for i in range(WORLD)]
+        assert rec["cases"][index]["collections_after"] == (1 if case.get("uninstall_by") == "uninstall" else 0)
 
 
 def test_tensor_parallel_checkpoint_recomputes_the_same_masks(records: list[dict[str, Any]]) -> None:
