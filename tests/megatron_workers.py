@@ -184,7 +184,9 @@ def compare_layout(
     if options.get("create_gloo_process_groups", True):
         proofs["dp-cp-gloo"] = onehot(ps.get_data_parallel_group_gloo(with_context_parallel=True))
     if options.get("create_all_gather_group"):
-        proofs["all-gather"] = onehot(ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True))
+        proofs["all-gather"] = onehot(
+            ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)
+        )
     for level, group in enumerate(ps.get_hierarchical_context_parallel_groups(check_initialized=False) or []):
         proofs[f"hcp{level}"] = onehot(group)
     if ps.is_rank_in_position_embedding_group():

@@ -310,7 +310,9 @@ def test_pg_collection_route_leaves_parallel_state_alone(records: list[dict[str,
         for token in ("tp_dp_cp", "tp_cp"):  # the groups it made answer a collective
             members = _megatron_ranks(case, token.replace("_", "-"), r)
             assert route[token] == [int(i in members) for i in range(WORLD)]
-        assert rec["cases"][index]["collections_after"] == (1 if case.get("uninstall_by") == "uninstall" else 0)
+        assert rec["cases"][index]["collections_after"] == (
+            1 if case.get("uninstall_by") == "uninstall" else 0
+        )
 
 
 def test_tensor_parallel_checkpoint_recomputes_the_same_masks(records: list[dict[str, Any]]) -> None:
@@ -409,3 +411,103 @@ def test_destroy_hooks_run_first_once_and_their_error_surfaces_after_teardown() 
         gpc.get_global_rank()
     gpc.destroy()  # hooks were forgotten
     assert seen == [1]
+
+
+def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason() -> None:
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    parallelctx.launch({"seed": 3, "dist": {"timeout": 60}})
+    try:
+        refused = {
+            "num_distributed_optimizer_instances": (2, "replicate x shard"),
+            "use_sharp": (True, "SHARP"),
+            "sharp_enabled_group": ("dp", "use_sharp"),
+            "nccl_communicator_config_path": ("/tmp/nccl.yaml", "communicator options"),
+            "high_priority_stream_groups": (["dp_cp"], "stream priority"),
+            "pipeline_model_parallel_comm_backend": ("ucc", "'ucc'"),
+            "tensor_model_parallel_size": (2, "parallel.tensor=1"),
+            "expert_tensor_parallel_size": (2, "parallel.expert.tensor=1"),
+            "order": ("tp-pp-dp-cp-ep", None),  # a world of one: every order gives the same groups
+            "distributed_timeout_minutes": (30, "dist.timeout"),
+            "hybrid_context_parallel": (True, "even number"),
+            "hierarchical_context_parallel_sizes": ([2], "multiply to 2"),
+            "get_embedding_ranks": (lambda pp: [], "other ranks than Megatron's default"),
+        }
+        for name, (value, why) in refused.items():
+            if why is None:
+                bridge.install(**{name: value})
+                bridge.uninstall()
+                continue
+            with pytest.raises(ValueError, match=name) as err:
+                bridge.install(**{name: value})
+            assert why in str(err.value), (name, str(err.value))
+            assert not bridge.is_installed()
+        with pytest.raises(TypeError, match="encoder_tensor_model_parallel_size"):
+            bridge.install(encoder_tensor_model_parallel_size=1)
+        # Megatron's defaults, and values equal to gpc's, are accepted by name
+        bridge.install(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=1,
+            expert_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
+            num_distributed_optimizer_instances=1,
+            distributed_timeout_minutes=1,
+            order="tp-cp-ep-dp-pp",
+            use_sharp=False,
+            high_priority_stream_groups=[],
+            get_embedding_ranks=ps_default("default_embedding_ranks"),
+            get_position_embedding_ranks=ps_default("default_position_embedding_ranks"),
+            create_all_gather_group=True,
+        )
+        from megatron.core import parallel_state as ps
+
+        assert ps.has_separate_all_gather_group()
+        # Megatron's tracker options: CUDA-graph-safe states are refused by name
+        from megatron.core import tensor_parallel
+
+        with pytest.raises(ValueError, match="use_cudagraphable_rng"):
+            tensor_parallel.random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
+    finally:
+        gpc.destroy()
+
+
+def ps_default(name: str) -> Any:
+    from megatron.core import parallel_state as ps
+
+    return getattr(ps, name)
+
+
+def test_manual_seed_draws_on_a_world_of_one_and_reseed_leaves_other_streams() -> None:
+    # The path of a Megatron training script on one CPU process: seeding, then dropout on the
+    # tracker's stream; the draws are a CPU generator's seeded with Megatron's formula.
+    from megatron.core import tensor_parallel
+
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    parallelctx.launch({"seed": 3})
+    try:
+        bridge.install()
+        start = gpc.get_rng_state()
+        with gpc.seed(ParallelMode.PIPELINE):
+            before = torch.rand(4)
+        tensor_parallel.model_parallel_cuda_manual_seed(77, force_reset_rng=True)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            tp = torch.rand(4)
+        with gpc.seed(ParallelMode.TENSOR):
+            tp2 = torch.rand(4)
+        assert torch.equal(
+            torch.cat([tp, tp2]), torch.rand(8, generator=torch.Generator().manual_seed(77 + 2718))
+        )
+        assert gpc.get_seed(ParallelMode.EXPERT) == 77 + 1024 and gpc.get_seed(ParallelMode.DATA) == 77
+        # a stream the tracker does not seed continues where it stopped
+        with gpc.seed(ParallelMode.PIPELINE):
+            after = torch.rand(4)
+        gpc.set_rng_state(start)
+        with gpc.seed(ParallelMode.PIPELINE):
+            unseeded = torch.rand(8)
+        assert torch.equal(torch.cat([before, after]), unseeded)
+    finally:
+        gpc.destroy()
