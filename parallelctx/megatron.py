@@ -1011,7 +1011,12 @@ def sources() -> dict[str, str]:
         "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "0 when `virtual_pipeline_model_parallel_size` is given, else None",
         "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "`virtual_pipeline_model_parallel_size`, else None",
         "_global_process_group_list": "`[None]` + this rank's installed groups (for `update_pg_timeout`)",
-        "_HYBRID_DP_CP_GROUPS": "`{}` (hybrid context parallelism is not supported)",
+        "_HYBRID_DP_CP_GROUPS": "made by install(hybrid_context_parallel=True): `{size: group}` of "
+        "consecutive data × context ranks; else `{}`",
+        "_DATA_PARALLEL_GROUP_WITH_CP_AG": "made by install(create_all_gather_group=True): data × context, "
+        "a communicator of its own; else None",
+        "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "made by install(hierarchical_context_parallel_sizes=[...]): "
+        "one group per level inside the context group; else None",
     }
     out: dict[str, str] = {}
     for name in _PRISTINE:
@@ -1019,7 +1024,9 @@ def sources() -> dict[str, str]:
             extra = " (middle stages: None)" if by_mode[name] is M.EMBEDDING else ""
             out[name] = f"`gpc.get_group(M.{by_mode[name].name})`{extra}"
         elif name in gloo:
-            out[name] = f"`gpc.get_cpu_group(M.{gloo[name].name})`"
+            out[name] = (
+                f"`gpc.get_cpu_group(M.{gloo[name].name})` (None with `create_gloo_process_groups=False`)"
+            )
         elif name in ranks:
             out[name] = f"`gpc.get_ranks_in_group(M.{ranks[name].name})`"
         elif name in made:
