@@ -29,6 +29,7 @@ import dataclasses
 import inspect
 import logging
 import math
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -301,9 +302,13 @@ class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
             NotLaunchedError: gpc has no streams.
         """
         mode = self._mode(name)
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        try:
+            value = operator.index(seed)  # Python and numpy integers
+        except TypeError:
+            value = -1
+        if isinstance(seed, bool) or not 0 <= value < 2**64:
             raise ValueError(f"RNG tracker seed {seed!r} for {name!r} must be an integer in [0, 2**64)")
-        gpc.rng_streams.reseed(mode, seed)
+        gpc.rng_streams.reseed(mode, value)
 
     def fork(self, name: str = "model-parallel-rng") -> AbstractContextManager[None]:
         """Return ``gpc.seed(mode)`` for the stream ``name`` maps to (CPU and CUDA generators).

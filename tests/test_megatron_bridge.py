@@ -89,7 +89,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         config=config(CASES[0]),
         backend="gloo",
         timeout=120,
-        join_timeout=600,
+        join_timeout=1200,
     )
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -204,13 +204,25 @@ def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], ind
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
 def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], index: int) -> None:
+    import parallelctx.megatron as bridge
+
     case = CASES[index]
     layout = _layout(case)
     for rec in records:
         r, found = rec["rank"], rec["cases"][index]
         existing = {tuple(layout.group_of(m, r)) for m in ParallelMode if layout.group_of(m, r)}
-        wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")} - existing
-        expected = len(wanted) + (0 if (r,) in existing else 1)
+        wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")}
+        options = case.get("options", {})
+        sizes = options.get("hierarchical_context_parallel_sizes", [])
+        cp, dp_cp = layout.group_of(ParallelMode.CONTEXT, r), layout.group_of(ParallelMode.DATA_CONTEXT, r)
+        for level in range(len(sizes)):  # Megatron's levels: a reused group where members agree
+            wanted |= {tuple(g) for g in bridge._hierarchical_rows(cp, sizes, level) if r in g}
+        if options.get("hybrid_context_parallel"):
+            wanted |= {tuple(g) for rows in bridge._hybrid_rows(dp_cp).values() for g in rows if r in g}
+        wanted -= existing
+        expected = (
+            len(wanted) + (0 if (r,) in existing else 1) + int(bool(options.get("create_all_gather_group")))
+        )
         assert found["calls"] == expected, (r, found["calls"], wanted)
         assert found["made"] == found["calls"]  # torch's registry grew by exactly that
 
