@@ -283,13 +283,22 @@ class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
                 tracker); the message says what it holds.
             NotLaunchedError: gpc has no streams.
         """
+        self.check_states(states)
+        gpc.rng_streams.restore(states[_STATES_KEY])
+
+    @staticmethod
+    def check_states(states: Any) -> None:
+        """Return None when ``states`` came from :meth:`get_states`.
+
+        Raises:
+            ValueError: it did not (e.g. Megatron's own tracker's); the message says what it holds.
+        """
         if not isinstance(states, dict) or _STATES_KEY not in states:
             keys = sorted(states) if isinstance(states, dict) else type(states).__name__
             raise ValueError(
                 f"RNG tracker states {keys} did not come from parallelctx's tracker; restore what "
                 "get_cuda_rng_tracker().get_states() returned while parallelctx.megatron was installed"
             )
-        gpc.rng_streams.restore(states[_STATES_KEY])
 
     def add(self, name: str, seed: int) -> None:
         """Restart the gpc stream ``name`` maps to from ``seed``: it then draws what a
@@ -327,8 +336,11 @@ def _get_all_rng_states() -> tuple[torch.Tensor, torch.Tensor | None, dict[str, 
 
 
 def _set_all_rng_states(cpu: torch.Tensor, cuda: torch.Tensor | None, tracker: dict[str, Any]) -> None:
-    """Undo :func:`_get_all_rng_states`: every gpc stream, then the generators as they were."""
-    _TRACKER.set_states(tracker)
+    """Undo :func:`_get_all_rng_states`: every gpc stream, and the stream that was active then
+    active again (a recomputation runs on the stream its forward ran on, whatever is active at
+    backward), then the generators as they were."""
+    _TRACKER.check_states(tracker)
+    gpc.rng_streams.restore(tracker[_STATES_KEY], activate=True)
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda)

@@ -523,3 +523,52 @@ def test_manual_seed_draws_on_a_world_of_one_and_reseed_leaves_other_streams() -
         assert torch.equal(torch.cat([before, after]), unseeded)
     finally:
         gpc.destroy()
+
+
+@pytest.mark.parametrize("backward_under", ["outside", "data"])
+def test_megatron_checkpoint_entered_under_the_tracker_replays_its_stream(backward_under: str) -> None:
+    # Model code as Megatron writes it: tensor_parallel.checkpoint of a block entered inside
+    # get_cuda_rng_tracker().fork(), backward outside it (or under another stream). The gradient
+    # must be the one of the same block run without checkpointing.
+    from megatron.core import tensor_parallel
+
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    parallelctx.launch({"seed": 5})
+    try:
+        bridge.install()
+        tensor_parallel.model_parallel_cuda_manual_seed(11)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            h = torch.nn.functional.dropout(x * 2.0, 0.5, training=True)  # the tracker's stream
+            with gpc.seed(ParallelMode.DATA):  # and a nested one
+                h = torch.nn.functional.dropout(h, 0.3, training=True)
+            return torch.nn.functional.dropout(h, 0.2, training=True) * x  # the tracker's again
+
+        def run(checkpointed: bool) -> torch.Tensor:
+            x = torch.ones(64, requires_grad=True)
+            with tracker.fork():
+                y = tensor_parallel.checkpoint(block, False, x) if checkpointed else block(x)
+            if backward_under == "data":
+                with gpc.seed(ParallelMode.DATA):
+                    y.sum().backward()
+            else:
+                y.sum().backward()
+            assert x.grad is not None
+            return x.grad
+
+        start = gpc.get_rng_state()
+        plain = run(False)
+        after_plain = gpc.get_rng_state()
+        gpc.set_rng_state(start)
+        assert torch.equal(run(True), plain)
+        # and every stream continues as after the plain run
+        with tracker.fork():
+            mine = torch.rand(8)
+        gpc.set_rng_state(after_plain)
+        with tracker.fork():
+            assert torch.equal(torch.rand(8), mine)
+    finally:
+        gpc.destroy()
