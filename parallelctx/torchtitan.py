@@ -141,8 +141,11 @@ def parallel_dims(spmd_backend: str = "spmd_types") -> Any:
     The degrees are gpc's: ``dp_replicate`` / ``dp_shard`` (``parallel.data``), ``cp``, ``tp``,
     ``pp``, ``ep``. Every mesh torchtitan's ``build_mesh`` would make, with the same names, shape
     and ranks, is made here with ``DeviceMesh.from_group`` over ``gpc.get_group(mode)`` (table in
-    the module docstring), so no process group is created; flattened meshes (``loss``) are
-    registered the way ``DeviceMesh._flatten`` registers them. The device type is
+    the module docstring), so no real process group is created; flattened meshes (``loss``) are
+    registered the way ``DeviceMesh._flatten`` registers them. One exception, as in torchtitan:
+    with ``ep == 1`` and an expert-tensor size > 1, ``efsdp`` (``dp_shard·cp·tp`` ranks, kept by
+    torchtitan only for its shape) lies on a group of torch's ``fake`` backend, which never
+    communicates. The device type is
     ``gpc.device.type`` (``"cpu"`` on a machine without GPU, where torchtitan would assume CUDA).
 
     Args:
@@ -177,8 +180,15 @@ def parallel_dims(spmd_backend: str = "spmd_types") -> Any:
     return dims
 
 
-def _mesh(ctx: Any, names: tuple[str, ...], modes: tuple[ParallelMode, ...], shape: tuple[int, ...]) -> Any:
-    """A DeviceMesh over gpc's groups: ``names`` (slowest first), world ``arange(W).reshape(shape)``."""
+def _mesh(
+    ctx: Any,
+    names: tuple[str, ...],
+    modes: tuple[ParallelMode, ...],
+    shape: tuple[int, ...],
+    fake: tuple[str, ...] = (),
+) -> Any:
+    """A DeviceMesh over gpc's groups: ``names`` (slowest first), world ``arange(W).reshape(shape)``;
+    the dims named in ``fake`` get a group of the ``fake`` backend instead (no communication)."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -189,6 +199,9 @@ def _mesh(ctx: Any, names: tuple[str, ...], modes: tuple[ParallelMode, ...], sha
         index: list[Any] = list(where)
         index[dim] = slice(None)
         expected = world[tuple(index)].tolist()
+        if name in fake:
+            groups.append(_fake_group(expected, name))
+            continue
         if ctx.get_ranks_in_group(mode) != expected:
             raise TorchtitanError(
                 f"gpc's {mode.value} group {ctx.get_ranks_in_group(mode)} is not torchtitan's {name!r} "
@@ -198,6 +211,15 @@ def _mesh(ctx: Any, names: tuple[str, ...], modes: tuple[ParallelMode, ...], sha
         groups.append(ctx.get_group(mode))
     tensor = torch.as_tensor(world, dtype=torch.int)
     return DeviceMesh.from_group(groups, ctx.device.type, mesh=tensor, mesh_dim_names=names)
+
+
+def _fake_group(members: list[int], name: str) -> Any:
+    """A process group of torch's ``fake`` backend over ``members`` (each member makes it; no
+    communication, as torchtitan does for a dimension it keeps only for its shape)."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    return dist.new_group(members, backend="fake", use_local_synchronization=True, group_desc=f"titan_{name}")
 
 
 def _build_meshes(dims: Any, ctx: Any) -> Any:
@@ -223,11 +245,16 @@ def _build_meshes(dims: Any, ctx: Any) -> Any:
         )
     else:
         dense = _mesh(ctx, full, full_modes, (pp, rep, shard, cp, tp))
+    # With ep == 1 torchtitan keeps efsdp (dp_shard·cp·tp ranks) only for its shape, on a fake
+    # group; gpc's expert-data shard holds those ranks only when the expert-tensor size is 1.
+    efsdp_ranks = shard * cp * tp
+    fake = ("efsdp",) if ep == 1 and ctx.get_world_size(M.EXPERT_DATA_SHARD) != efsdp_ranks else ()
     sparse = _mesh(
         ctx,
         ("pp", "dp_replicate", "efsdp", "ep"),
         (M.PIPELINE, M.EXPERT_DATA_REPLICATE, M.EXPERT_DATA_SHARD, M.EXPERT),
         (pp, rep, efsdp, ep),
+        fake,
     )
     meshes = {"dataloading": loading, "loss": loss, "dense": dense, "sparse": sparse}
     single = {
