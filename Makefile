@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.demo --config configs/demo_3d.py
+	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.cli.demo --config configs/demo_3d.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not launchers and not faults" -q

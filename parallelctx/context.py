@@ -1,129 +1,38 @@
 """The parallel context: the state behind ``gpc`` and every query model code makes.
 
 Queries answer from plain dicts and attributes filled once at launch, so a call such as
-``gpc.get_local_rank(ParallelMode.TENSOR)`` never calls into torch.
+``gpc.get_local_rank(ParallelMode.TENSOR)`` never calls into torch. The launch sequence that
+fills them lives in :mod:`parallelctx.startup`; the tables and views in :mod:`parallelctx.views`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import random
-import socket
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from .args import LaunchArgumentError, validate_launch_args
-from .config import DEFAULT_TIMEOUT, Config, check_init_method_env, load_config
-from .groups import create_groups
-from .layout import Layout, ParallelMode
-from .rendezvous import Arrival, RendezvousError, connect_store, exchange
-from .seed import STREAMS, RNGSnapshot, RNGStreams, Stream, mode_seed, parse_stream
+from . import startup
+from .config import DEFAULT_TIMEOUT, Config, load_config
+from .groups import ModeGroup
+from .layout import Layout, LayoutError, ParallelMode
+from .rendezvous import Arrival
+from .rngstate import RNGState, capture, restore
+from .seed import STREAMS, RNGStreams, Stream, mode_seed, parse_stream
+from .startup import resolve_backend
+from .views import LAUNCH_HINT, VIEW_NAMES, ModeTable, ModeView, NotLaunchedError, Unlaunched
 
-__all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc"]
+__all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc", "resolve_backend"]
 
 logger = logging.getLogger("parallelctx")
 
-_LAUNCH_HINT = (
-    "call parallelctx.launch_from_torch(config) (or launch, launch_from_env, launch_from_slurm, "
-    "launch_from_openmpi, spawn) first"
-)
-
-
-_CPU_BACKENDS = frozenset({"gloo", "mpi", "fake"})
-
-
-class NotLaunchedError(RuntimeError):
-    """A query was made before the context was launched, or after ``destroy()``."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModeView:
-    """This rank's place in one mode, e.g. ``gpc.tensor``.
-
-    ``rank`` is the local rank in the mode, ``size`` the group size, ``ranks`` the ascending
-    global ranks of the group, ``group``/``cpu_group`` the process groups (a one-rank group of
-    this rank for a mode of size 1, never None),
-    ``next_rank``/``prev_rank`` the global ranks after and before this one in ring order.
-    """
-
-    mode: ParallelMode
-    rank: int
-    size: int
-    ranks: Sequence[int]
-    group: Any
-    cpu_group: Any
-    next_rank: int
-    prev_rank: int
-
-    @property
-    def is_first(self) -> bool:
-        """True on the group's first rank."""
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        """True on the group's last rank."""
-        return self.rank == self.size - 1
-
-
-@dataclass(frozen=True)
-class RNGState:
-    """Every RNG stream of one rank, from :meth:`ParallelContext.get_rng_state`; picklable.
-
-    ``rank``, ``world_size`` and ``layout`` (the layout's description) say where it was taken;
-    :meth:`ParallelContext.set_rng_state` refuses it anywhere else.
-    """
-
-    rank: int
-    world_size: int
-    layout: str
-    seed: int
-    python: Any
-    numpy: Any
-    streams: RNGSnapshot
-
-
-class _ModeTable(dict[Any, Any]):
-    """A per-mode answer table; a lookup that misses raises the context's clear error."""
-
-    __slots__ = ("_miss",)
-
-    def __init__(self, miss: Callable[[Any], Exception]) -> None:
-        super().__init__()
-        self._miss = miss
-
-    def __missing__(self, mode: Any) -> Any:
-        raise self._miss(mode)
-
-
-class _Unlaunched:
-    """Stands in for a :class:`ModeView` before launch; every attribute raises."""
-
-    __slots__ = ("_name",)
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        raise NotLaunchedError(f"gpc.{self._name}.{attr} is not available yet: {_LAUNCH_HINT}")
-
-    def __repr__(self) -> str:
-        return f"<gpc.{self._name}: not launched>"
-
-
-# Attribute name of each mode's view on the context: gpc.tensor, gpc.world, ...
-VIEW_NAMES: dict[ParallelMode, str] = {
-    mode: ("world" if mode is ParallelMode.GLOBAL else mode.value) for mode in ParallelMode
-}
+# The four hottest queries are closures stored on the instance (see ParallelContext._reset); these
+# names are given the documentation and signature of the methods of the same names.
+_FAST_QUERIES = ("get_local_rank", "get_world_size", "get_group", "get_cpu_group")
 
 
 class ParallelContext:
@@ -132,7 +41,11 @@ class ParallelContext:
     Lifecycle: :meth:`launch` (what every ``launch*`` function ends in) calls, in this order,
     :meth:`load_config`, :meth:`init_global_dist`, :meth:`init_parallel_groups`,
     :meth:`detect_num_processes_on_current_node`, :meth:`set_device`, :meth:`set_seed`, and
-    :meth:`destroy` when any of them fails; :meth:`destroy` undoes all.
+    :meth:`destroy` when any of them fails; :meth:`destroy` undoes all. The sequence itself is
+    :func:`parallelctx.startup.launch`.
+
+    A mode may be given as a :class:`ParallelMode`, its name in any case (``"tensor"``), or an
+    alias (``"tp"``, ``"pp"``, ``"dp"``, ``"cp"``, ``"ep"``; :data:`parallelctx.layout.MODE_ALIASES`).
     """
 
     # Readable views, one per mode, set at launch (declared for type checkers).
@@ -156,13 +69,8 @@ class ParallelContext:
     expert_data_replicate: ModeView
 
     def __init__(self) -> None:
-        # Names of the groups made on a default group parallelctx adopted; kept across destroy()
-        # so that relaunching on the same default group cannot reuse them (see groups._claim_name).
-        self._adopted_names: tuple[Any, set[tuple[Sequence[int], int]]] = (None, set())
-        # Rendezvous stores by URL, kept across destroy() so that a relaunch on the same host
-        # and port reuses rank 0's store server; each launch meets under its own key prefix.
-        self._stores: dict[tuple[str, int, int], Any] = {}
-        self._launches = 0
+        # Stores, launch counter and adopted group names: kept across destroy() for relaunches.
+        self._meetings = startup.Meetings()
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -175,14 +83,14 @@ class ParallelContext:
         self._backend: str | None = None
         self._timeout: timedelta | None = None
         self._owns_default_group = False
-        self._local_ranks = _ModeTable(lambda m: self._bad_mode(m, "get_local_rank()"))
-        self._world_sizes = _ModeTable(lambda m: self._bad_mode(m, "get_world_size()"))
-        self._groups = _ModeTable(lambda m: self._bad_mode(m, "get_group()"))
-        self._cpu_groups = _ModeTable(lambda m: self._bad_mode(m, "get_cpu_group()"))
+        self._local_ranks = ModeTable(lambda m: self._bad_mode(m, "get_local_rank()"))
+        self._world_sizes = ModeTable(lambda m: self._bad_mode(m, "get_world_size()"))
+        self._groups = ModeTable(lambda m: self._bad_mode(m, "get_group()"))
+        self._cpu_groups = ModeTable(lambda m: self._bad_mode(m, "get_cpu_group()"))
         # Hot path: these four queries are closures over their tables, stored on the instance, so a
         # call costs one Python frame and one dict lookup (no bound-method object, no self lookup).
-        # The methods of the same names below carry the documentation and the signatures (the
-        # same keyword, ``mode``); a miss raises the same clear errors.
+        # They carry the documentation and signature of the methods of the same names below; a
+        # miss resolves an alias or raises the same clear errors (views.ModeTable).
         local_ranks, world_sizes, groups, cpu_groups = (
             self._local_ranks,
             self._world_sizes,
@@ -202,10 +110,12 @@ class ParallelContext:
         def get_cpu_group(mode: ParallelMode | str) -> Any:
             return cpu_groups[mode]
 
-        self.get_local_rank = get_local_rank  # type: ignore[method-assign]
-        self.get_world_size = get_world_size  # type: ignore[method-assign]
-        self.get_group = get_group  # type: ignore[method-assign]
-        self.get_cpu_group = get_cpu_group  # type: ignore[method-assign]
+        for fast in (get_local_rank, get_world_size, get_group, get_cpu_group):
+            documented = getattr(ParallelContext, fast.__name__)
+            fast.__doc__ = documented.__doc__
+            fast.__qualname__ = documented.__qualname__
+            fast.__module__ = documented.__module__
+            setattr(self, fast.__name__, fast)
         self._first_stage: bool | None = None
         self._last_stage: bool | None = None
         self._views: dict[ParallelMode, ModeView] = {}
@@ -217,10 +127,10 @@ class ParallelContext:
         self._device_meshes: dict[str, Any] = {}
         self._destroy_hooks: list[Callable[[], None]] = []
         for name in VIEW_NAMES.values():
-            setattr(self, name, _Unlaunched(name))
+            setattr(self, name, Unlaunched(name))
 
     def _not_launched(self, what: str) -> NotLaunchedError:
-        return NotLaunchedError(f"{what} is not available yet: {_LAUNCH_HINT}")
+        return NotLaunchedError(f"{what} is not available yet: {LAUNCH_HINT}")
 
     def _bad_mode(self, mode: Any, what: str) -> Exception:
         if not self._views and self._layout is None:
@@ -249,11 +159,12 @@ class ParallelContext:
         local_world_size: int | None = None,
     ) -> ParallelContext:
         """Set up this context: config, default group, parallel groups, processes per node,
-        device and seeds; on any failure, tear down what was made and re-raise.
+        device and seeds; on any failure, tear down what was made and re-raise
+        (the sequence: :func:`parallelctx.startup.launch`).
 
         The arguments are checked first (:func:`parallelctx.args.validate_launch_args`).
         ``backend``, ``seed``, ``timeout`` and ``init_method`` left at None take the config's
-        ``dist`` and ``seed`` values (resolved here, nowhere else). ``local_world_size``, when
+        ``dist`` and ``seed`` values (resolved there, nowhere else). ``local_world_size``, when
         the launcher gives it, is checked against the processes counted on this host; a
         mismatch is logged as a warning. Logs one summary line on the rank
         :meth:`is_rank_for_log` picks.
@@ -272,130 +183,10 @@ class ParallelContext:
             ValueError: a bad config value (ConfigError, LayoutError and pydantic's
                 ValidationError are ValueErrors).
         """
-        if self._global_rank >= 0:
-            raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
-        # Local checks first. A rank whose checks fail but that can still reach the others (its
-        # rank, world size and address are valid) tells them at the rendezvous, so that every
-        # rank stops at once instead of waiting for it until the timeout.
-        refused: BaseException | None = None
-        cfg: Config | None = None
-        try:
-            cfg = self.load_config(config)
-        except (ValueError, TypeError) as exc:
-            refused = exc
-        method = init_method or (cfg.dist.init_method if cfg is not None else None)
-        need_address = not dist.is_initialized()  # an existing default group is adopted
-        try:
-            args = validate_launch_args(
-                rank=rank,
-                world_size=world_size,
-                host=host,
-                port=port,
-                local_rank=local_rank,
-                local_world_size=local_world_size,
-                timeout=timeout,
-                seed=seed,
-                backend=backend,
-                init_method=method,
-                need_address=need_address,
-            )
-        except LaunchArgumentError as exc:
-            args = self._reachable_args(rank, world_size, host, port, timeout, method, need_address, exc)
-            refused = refused or exc
-        layout: Layout | None = None
-        if refused is None and cfg is not None:
-            try:
-                layout = cfg.parallel.to_layout(args.world_size)
-            except (ValueError, TypeError) as exc:
-                refused = exc
-        wait = args.timeout or (cfg.dist.timeout if cfg is not None else DEFAULT_TIMEOUT)
-        use_seed = args.seed if args.seed is not None else (cfg.seed if cfg is not None else None)
-        if refused is not None or cfg is None or layout is None:
-            refused = refused or RuntimeError("the config did not load")
-            arrival = Arrival(args.rank, socket.gethostname(), error=f"{type(refused).__name__}: {refused}")
-        else:
-            values = _agreed_values(cfg, layout, args.world_size, args.backend, wait, use_seed)
-            arrival = Arrival(args.rank, socket.gethostname(), values)
-        try:
-            self._local_rank = args.local_rank
-            check_init_method_env(args.init_method)
-            if cfg is None or layout is None:
-                self._announce_refusal(args, wait, arrival)
-                raise refused or RuntimeError("the config did not load")
-            self.init_global_dist(
-                args.rank,
-                args.world_size,
-                backend=args.backend or cfg.dist.backend,
-                host=args.host,
-                port=args.port,
-                timeout=wait,
-                init_method=args.init_method,
-                arrival=arrival,
-            )
-            self.init_parallel_groups()
-            on_node = self.detect_num_processes_on_current_node()
-            self.set_device()
-            self.set_seed(use_seed)
-        except BaseException:
-            self.destroy()
-            raise
-        if args.local_world_size is not None and args.local_world_size != on_node:
-            logger.warning(
-                "the launcher says %d processes run on this node, but %d ranks share host %r; "
-                "check the launcher's host list and the per-node process count",
-                args.local_world_size,
-                on_node,
-                socket.gethostname(),
-            )
-        if self.is_rank_for_log():
-            logger.info(self.summary())
-        return self
-
-    @staticmethod
-    def _reachable_args(
-        rank: Any,
-        world_size: Any,
-        host: Any,
-        port: Any,
-        timeout: Any,
-        method: Any,
-        need_address: bool,
-        refused: LaunchArgumentError,
-    ) -> Any:
-        """The arguments this rank needs to reach the others although another argument was bad;
-        raises ``refused`` when even these are bad (the rank cannot tell anyone)."""
-        for wait in (timeout, None):
-            try:
-                return validate_launch_args(
-                    rank=rank,
-                    world_size=world_size,
-                    host=host,
-                    port=port,
-                    timeout=wait,
-                    init_method=method,
-                    need_address=need_address,
-                )
-            except LaunchArgumentError:
-                continue
-        raise refused
-
-    def _announce_refusal(self, args: Any, timeout: timedelta, arrival: Arrival) -> None:
-        """Post this rank's failed checks at the rendezvous so that every other rank stops at
-        once; a rendezvous that fails too is only logged (the caller raises the first cause)."""
-        if args.world_size == 1 or dist.is_initialized():
-            return
-        url = _url(args.init_method, args.host, args.port)
-        try:
-            store = self._launch_store(
-                url, args.rank, args.world_size, timeout, time.monotonic() + timeout.total_seconds()
-            )
-            exchange(store, arrival, args.world_size, timeout, _shown_url(url))
-        except (RendezvousError, RuntimeError) as exc:
-            logger.warning(
-                "parallelctx: could not tell the other ranks that rank %d refused to launch: %s",
-                args.rank,
-                exc,
-            )
+        return startup.launch(
+            self, config, rank, world_size, host, port, backend, local_rank, seed, timeout, init_method,
+            local_world_size,
+        )  # fmt: skip
 
     def load_config(self, config: Config | Mapping[str, Any] | str | Path | None) -> Config:
         """Validate and store the config (a Config, a dict, a file path, or None).
@@ -435,16 +226,9 @@ class ParallelContext:
         initialised with the same rank and world size, that group is adopted and left alone by
         :meth:`destroy`.
 
-        Relaunching in the same processes works: the rendezvous store of a URL is kept across
-        :meth:`destroy` (under torchrun it is the launcher's own store) and every launch meets
-        under its own key prefix, ``parallelctx/launch-<n>``, where ``n`` counts this process's
-        launches. Every rank must therefore launch the same number of times.
-
-        Before the default group is made, every rank meets every other on the store in one
-        round trip (:func:`parallelctx.rendezvous.exchange`): each posts ``arrival`` (its host
-        name and the values all ranks must agree on; :meth:`launch` passes them) and reads the
-        others'. A rank that does not arrive within ``timeout`` is named, and so are ranks that
-        disagree. The host names serve :meth:`detect_num_processes_on_current_node`.
+        Every rank first meets every other on the store and exchanges ``arrival`` (host name and
+        the values all ranks must agree on); relaunching in the same processes works. How:
+        :func:`parallelctx.startup.init_default_group`.
 
         Raises:
             ValueError: a bad rank, world size, backend or port (the message names the value).
@@ -453,88 +237,22 @@ class ParallelContext:
                 store did not answer or its port is taken, or the ranks disagree; the message
                 names the ranks, host:port and the differing keys.
         """
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
-        backend = resolve_backend(backend)
         timeout = timeout or (self._config.dist.timeout if self._config else DEFAULT_TIMEOUT)
-        if dist.is_initialized():
-            if dist.get_rank() != rank or dist.get_world_size() != world_size:
-                raise RuntimeError(
-                    f"torch.distributed is already initialised as rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()}, not rank {rank} of {world_size}; call "
-                    "torch.distributed.destroy_process_group() or launch with matching values"
-                )
-            self._owns_default_group = False
-            backend = dist.get_backend()
-            if arrival is not None and world_size > 1:
-                self._meet(
-                    self._adopted_store(),
-                    arrival,
-                    world_size,
-                    timeout,
-                    "the default group's store",
-                    time.monotonic() + timeout.total_seconds(),
-                )
-        else:
-            deadline = time.monotonic() + timeout.total_seconds()
-            if world_size == 1 and init_method is None:
-                store: Any = dist.HashStore()
-                if arrival is not None:
-                    self._hostnames = (arrival.host,)
-            else:
-                if init_method is None:
-                    if port is None or not 0 < int(port) < 65536:
-                        raise ValueError(
-                            f"port={port!r} must be an integer in 1..65535 for a world of {world_size}"
-                        )
-                    if not host:
-                        raise ValueError("host must name the rank-0 machine (e.g. '127.0.0.1')")
-                    init_method = _url(None, host, int(port))
-                store = self._launch_store(init_method, rank, world_size, timeout, deadline)
-                if arrival is not None:
-                    self._meet(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
-            dist.init_process_group(
-                backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store
-            )
-            self._owns_default_group = True
+        made = startup.init_default_group(
+            self._meetings, rank, world_size, backend, host, port, timeout, init_method, arrival
+        )
+        self._owns_default_group = made.owned
+        self._hostnames = made.hostnames or self._hostnames
         self._global_rank = rank
         self._world_size = world_size
-        self._backend = backend
-        self._timeout = timeout
+        self._backend = made.backend
+        self._timeout = made.timeout
         self._local_ranks[ParallelMode.GLOBAL] = rank
         self._world_sizes[ParallelMode.GLOBAL] = world_size
 
-    def _meet(
-        self, store: Any, arrival: Arrival, world_size: int, timeout: timedelta, where: str, deadline: float
-    ) -> None:
-        """The one exchange of the launch: every rank's host name and agreed values."""
-        arrivals = exchange(store, arrival, world_size, timeout, where, deadline)
-        self._hostnames = tuple(a.host for a in arrivals)
-
-    def _adopted_store(self) -> Any:
-        """The adopted default group's store, under a prefix new for this launch."""
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        self._launches += 1
-        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", _get_default_store())
-
-    def _launch_store(
-        self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float | None = None
-    ) -> Any:
-        """The store this launch meets on: the URL's store (rank 0 serves a ``tcp://`` one, made
-        on first use with a bounded, interruptible wait and kept after), under a prefix that is
-        new for every launch of this process."""
-        key = (url, rank, world_size)
-        base = self._stores.get(key)
-        if base is None:
-            base = connect_store(url, rank, world_size, timeout, deadline)
-            self._stores[key] = base
-        base.set_timeout(timeout)
-        self._launches += 1
-        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", base)
-
     def init_parallel_groups(self) -> Layout:
-        """Build the layout from the config's sizes and create this rank's process groups.
+        """Build the layout from the config's sizes and create this rank's process groups
+        (:func:`parallelctx.startup.make_groups`), then fill the query tables and views.
 
         Returns:
             The :class:`Layout`.
@@ -543,49 +261,41 @@ class ParallelContext:
             NotLaunchedError: :meth:`init_global_dist` has not run.
             LayoutError: the configured sizes do not fit the world size.
         """
-        if self._world_size == 0:
+        if self._world_size == 0 or self._backend is None:
             raise self._not_launched("init_parallel_groups()")
         layout = self.config.parallel.to_layout(self._world_size)
-        # Accelerator backends get a gloo group beside each group; CPU backends serve both.
-        cpu_backend = None if self._backend in _CPU_BACKENDS else "gloo"
-        timeout = self._timeout or self.config.dist.timeout
-        used = None
-        if not self._owns_default_group:
-            if self._adopted_names[0] is not dist.group.WORLD:
-                self._adopted_names = (dist.group.WORLD, set())
-            used = self._adopted_names[1]
-        groups, calls = create_groups(
-            layout,
-            self._global_rank,
-            timeout,
-            cpu_backend,
-            used_names=used,
-            gloo_lazy_init=self.config.dist.gloo_lazy_init,
+        default = startup.DefaultGroup(
+            self._backend, self._owns_default_group, self._timeout or self.config.dist.timeout, ()
+        )
+        groups, self._group_calls = startup.make_groups(
+            self._meetings, layout, self._global_rank, default, self.config.dist.gloo_lazy_init
         )
         self._layout = layout
-        self._group_calls = calls
         for mode, g in groups.items():
-            local = g.ranks.index(self._global_rank)
-            size = len(g.ranks)
-            view = ModeView(
-                mode=mode,
-                rank=local,
-                size=size,
-                ranks=g.ranks,
-                group=g.group,
-                cpu_group=g.cpu_group,
-                next_rank=g.ranks[(local + 1) % size],
-                prev_rank=g.ranks[(local - 1) % size],
-            )
-            self._views[mode] = view
-            self._local_ranks[mode] = local
-            self._world_sizes[mode] = size
-            self._groups[mode] = g.group
-            self._cpu_groups[mode] = g.cpu_group
-            setattr(self, VIEW_NAMES[mode], view)
+            self._install(mode, g)
         pipe = self._views[ParallelMode.PIPELINE]
         self._first_stage, self._last_stage = pipe.is_first, pipe.is_last
         return layout
+
+    def _install(self, mode: ParallelMode, g: ModeGroup) -> None:
+        """Answer ``mode``'s queries from group ``g``."""
+        local, size = g.ranks.index(self._global_rank), len(g.ranks)
+        view = ModeView(
+            mode=mode,
+            rank=local,
+            size=size,
+            ranks=g.ranks,
+            group=g.group,
+            cpu_group=g.cpu_group,
+            next_rank=g.ranks[(local + 1) % size],
+            prev_rank=g.ranks[(local - 1) % size],
+        )
+        self._views[mode] = view
+        self._local_ranks[mode] = local
+        self._world_sizes[mode] = size
+        self._groups[mode] = g.group
+        self._cpu_groups[mode] = g.cpu_group
+        setattr(self, VIEW_NAMES[mode], view)
 
     def set_device(self, local_rank: int | None = None) -> torch.device:
         """Pick this process's device: ``cuda:(local_rank % device_count)`` where CUDA is
@@ -599,17 +309,7 @@ class ParallelContext:
         """
         if local_rank is not None:
             self._local_rank = local_rank
-        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
-            if self._local_rank is None:
-                raise ValueError(
-                    "set_device needs the launcher's local rank (the global rank would pick the "
-                    "wrong GPU on every node but the first); pass local_rank"
-                )
-            index = self._local_rank % torch.cuda.device_count()
-            torch.cuda.set_device(index)
-            self._device = torch.device("cuda", index)
-        else:
-            self._device = torch.device("cpu")
+        self._device = startup.pick_device(self._local_rank)
         return self._device
 
     def detect_num_processes_on_current_node(self) -> int:
@@ -628,16 +328,11 @@ class ParallelContext:
         """
         if ParallelMode.GLOBAL not in self._views:
             raise self._not_launched("detect_num_processes_on_current_node()")
-        host = socket.gethostname()
-        if len(self._hostnames) == self._world_size:  # gathered by the launch rendezvous
-            names = list(self._hostnames)
-        elif self._world_size == 1:
-            names = [host]
-        else:
-            names = [""] * self._world_size
-            dist.all_gather_object(names, host, group=self._cpu_groups[ParallelMode.GLOBAL])
-        self._hostnames = tuple(names)
-        same = [r for r, name in enumerate(names) if name == host]
+        self._hostnames = startup.host_names(
+            self._hostnames, self._world_size, self._cpu_groups[ParallelMode.GLOBAL]
+        )
+        host = self._hostnames[self._global_rank]
+        same = [r for r, name in enumerate(self._hostnames) if name == host]
         if self._local_rank is None:
             self._local_rank = same.index(self._global_rank)
         return len(same)
@@ -691,15 +386,7 @@ class ParallelContext:
                 failed = failed or exc
         self._destroy_hooks = []
         try:
-            if dist.is_initialized():
-                if self._owns_default_group:
-                    dist.destroy_process_group()
-                else:
-                    seen: set[int] = set()
-                    for g in list(self._groups.values()) + list(self._cpu_groups.values()):
-                        if g is not None and g is not dist.group.WORLD and id(g) not in seen:
-                            seen.add(id(g))
-                            dist.destroy_process_group(g)
+            startup.tear_down(self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()])
         finally:
             self._reset()
         if failed is not None:
@@ -731,7 +418,8 @@ class ParallelContext:
         return self._world_sizes[mode]
 
     def get_group(self, mode: ParallelMode | str) -> Any:
-        """Return this rank's process group of ``mode``; None for a mode of size 1.
+        """Return this rank's process group of ``mode`` (for a mode of size 1, a one-rank group
+        of this rank, never None, which torch would read as the whole world).
 
         Raises:
             NotLaunchedError: before launch, or a mode this rank has no group of.
@@ -740,8 +428,8 @@ class ParallelContext:
         return self._groups[mode]
 
     def get_cpu_group(self, mode: ParallelMode | str) -> Any:
-        """Return the CPU (gloo) group beside ``mode``'s group; the group itself with gloo,
-        None for a mode of size 1.
+        """Return the CPU (gloo) group beside ``mode``'s group; the group itself with gloo (a
+        one-rank group for a mode of size 1).
 
         Raises:
             NotLaunchedError: before launch, or a mode this rank has no group of.
@@ -753,6 +441,10 @@ class ParallelContext:
         try:
             return self._views[mode]  # type: ignore[index]  # a plain name finds its mode: equal hashes
         except KeyError:
+            pass
+        try:  # an alias or another case ("tp", "TENSOR")
+            return self._views[ParallelMode.parse(mode)]
+        except (KeyError, LayoutError):
             raise self._bad_mode(mode, what) from None
 
     def get_ranks_in_group(self, mode: ParallelMode | str) -> list[int]:
@@ -772,10 +464,10 @@ class ParallelContext:
         """
         if mode in self._views:
             return True
-        if mode == ParallelMode.GLOBAL:
+        parsed = ParallelMode.parse(mode)
+        if parsed is ParallelMode.GLOBAL:
             return self._global_rank >= 0
-        ParallelMode.parse(mode)
-        return False
+        return parsed in self._views
 
     def is_first_rank(self, mode: ParallelMode | str) -> bool:
         """Return True when this rank is first (local rank 0) in its group of ``mode``."""
@@ -958,16 +650,8 @@ class ParallelContext:
         Raises:
             NotLaunchedError: before :meth:`set_seed`.
         """
-        streams = self.rng_streams
-        return RNGState(
-            rank=self._global_rank,
-            world_size=self._world_size,
-            layout=self.layout.describe(),
-            seed=self._seed if self._seed is not None else -1,
-            python=random.getstate(),
-            numpy=np.random.get_state(),
-            streams=streams.snapshot(),
-        )
+        seed = self._seed if self._seed is not None else -1
+        return capture(self.rng_streams, self._global_rank, self._world_size, self.layout.describe(), seed)
 
     def set_rng_state(self, state: RNGState) -> None:
         """Restore every stream from ``state`` (see :meth:`get_rng_state`); may be called
@@ -979,35 +663,7 @@ class ParallelContext:
             ValueError: ``state`` was taken on another rank, world size or layout, or with CUDA
                 state where this rank has none (or the reverse); the message says which.
         """
-        streams = self.rng_streams
-        if not isinstance(state, RNGState):
-            raise TypeError(
-                f"set_rng_state takes what gpc.get_rng_state() returned, not {type(state).__name__}"
-            )
-        where = [
-            (name, theirs, mine)
-            for name, theirs, mine in (
-                ("rank", state.rank, self._global_rank),
-                ("world_size", state.world_size, self._world_size),
-                ("layout", state.layout, self.layout.describe()),
-            )
-            if theirs != mine
-        ]
-        if where:
-            diffs = "; ".join(f"{name} {theirs!r} there, {mine!r} here" for name, theirs, mine in where)
-            raise ValueError(
-                f"this RNG state was taken elsewhere ({diffs}); restore each rank's own state "
-                "(save one per global rank) under the same layout"
-            )
-        has_cuda = next(iter(state.streams.states.values()))[1] is not None
-        if has_cuda != streams.cuda:
-            raise ValueError(
-                f"this RNG state {'has' if has_cuda else 'has no'} CUDA generator states but this "
-                f"rank {'uses' if streams.cuda else 'does not use'} CUDA; restore it on the same kind of device"
-            )
-        streams.restore(state.streams)
-        random.setstate(state.python)
-        np.random.set_state(state.numpy)
+        restore(state, self.rng_streams, self._global_rank, self._world_size, self.layout.describe())
 
     def summary(self) -> str:
         """Return the one-line launch summary."""
@@ -1016,67 +672,6 @@ class ParallelContext:
             f"nodes={self.num_nodes} procs/node={self.num_processes_on_current_node} "
             f"seed={self.config.seed} groups made on this rank={self._group_calls}"
         )
-
-
-def _url(init_method: str | None, host: str | None, port: int | None) -> str:
-    """``init_method``, else ``tcp://host:port`` (IPv6 hosts bracketed)."""
-    if init_method is not None:
-        return init_method
-    h = f"[{host}]" if host and ":" in host and not host.startswith("[") else host
-    return f"tcp://{h}:{port}"
-
-
-def _shown_url(url: str) -> str:
-    """``host:port`` for a ``tcp://`` URL, the URL otherwise."""
-    return url[len("tcp://") :] if url.startswith("tcp://") else url
-
-
-def _agreed_values(
-    cfg: Config, layout: Layout, world_size: int, backend: str | None, timeout: timedelta, seed: int | None
-) -> dict[str, Any]:
-    """What every rank must launch with, as flat dotted keys: the config's parallel and dist
-    sections (init_method aside: ranks may name rank 0's host differently), the seed, the
-    layout, the world size and the versions of parallelctx and torch."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    values: dict[str, Any] = {}
-
-    def flat(prefix: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for key, item in value.items():
-                flat(f"{prefix}.{key}", item)
-        else:
-            values[prefix] = value
-
-    flat("parallel", cfg.parallel.model_dump(mode="json"))
-    flat("dist", cfg.dist.model_dump(mode="json"))
-    values.pop("dist.init_method", None)
-    values["dist.backend"] = backend or cfg.dist.backend
-    values["dist.timeout"] = timeout.total_seconds()
-    values["seed"] = seed
-    values["layout"] = layout.describe()
-    values["world_size"] = world_size
-    try:
-        values["parallelctx_version"] = version("parallelctx")
-    except PackageNotFoundError:
-        values["parallelctx_version"] = "unknown"
-    values["torch_version"] = torch.__version__
-    return values
-
-
-def resolve_backend(backend: str | None) -> str:
-    """Return the backend to use: ``"auto"`` (or None) means nccl with CUDA, else gloo.
-
-    Raises:
-        ValueError: an unknown backend, or nccl without CUDA.
-    """
-    if backend in (None, "auto"):
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'nccl' or 'gloo'")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("backend='nccl' needs CUDA, which is not available here; use 'gloo' or 'auto'")
-    return backend
 
 
 gpc: ParallelContext = ParallelContext()

@@ -41,6 +41,7 @@ __all__ = [
     "AXES",
     "DEFAULT_ORDER",
     "MAX_WORLD_SIZE",
+    "MODE_ALIASES",
     "Layout",
     "LayoutError",
     "ParallelMode",
@@ -59,6 +60,20 @@ _AXIS_NAMES = {
     "dp": "data",
     "pp": "pipeline",
 }
+
+
+MODE_ALIASES: dict[str, str] = {
+    "tp": "tensor",
+    "pp": "pipeline",
+    "dp": "data",
+    "cp": "context",
+    "ep": "expert",
+    "etp": "expert_tensor",
+    "edp": "expert_data",
+    "world": "global",
+}
+"""Other names of modes, accepted wherever a mode is (in any case): the order string's tokens,
+the expert mesh's dim names, and ``world`` (the name of ``gpc.world``)."""
 
 
 class LayoutError(ValueError):
@@ -98,17 +113,31 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
         return self.value
 
     @classmethod
+    def _missing_(cls, value: object) -> ParallelMode | None:
+        # Any case of a name ("TENSOR", "Data"), or an alias of MODE_ALIASES ("tp", "PP").
+        if isinstance(value, str):
+            key = value.lower()
+            return cls._value2member_map_.get(key) or cls._value2member_map_.get(MODE_ALIASES.get(key, ""))  # type: ignore[return-value]
+        return None
+
+    @classmethod
     def parse(cls, mode: ParallelMode | str) -> ParallelMode:
-        """Return the :class:`ParallelMode` for ``mode`` (a member or its lower-case name).
+        """Return the :class:`ParallelMode` for ``mode``: a member, its name in any case
+        (``"tensor"``, ``"TENSOR"``), or an alias of :data:`MODE_ALIASES` in any case (the
+        order string's tokens ``"tp"``, ``"pp"``, ``"dp"``, ``"cp"``, ``"ep"``, the expert
+        mesh's ``"etp"``, ``"edp"``, and ``"world"``).
 
         Raises:
-            LayoutError: ``mode`` names no mode; the message lists the valid names.
+            LayoutError: ``mode`` names no mode; the message lists the valid names and aliases.
         """
         try:
             return cls(mode)
         except ValueError:
             valid = ", ".join(m.value for m in cls)
-            raise LayoutError(f"unknown parallel mode {mode!r}; valid modes: {valid}") from None
+            aliases = ", ".join(f"{alias}={name}" for alias, name in MODE_ALIASES.items())
+            raise LayoutError(
+                f"unknown parallel mode {mode!r}; valid modes: {valid} (any case); aliases: {aliases}"
+            ) from None
 
 
 # Member lookups (ParallelMode.TENSOR) at plain-attribute speed on Python 3.11.

@@ -334,7 +334,7 @@ class _Maker:
         self.layout, self.rank, self.state = layout, rank, state
         self.timeout = gpc.config.dist.timeout
         self.blocker = local_sync_blocker() if layout.world_size > 1 else None
-        self.used: set[Any] = set() if gpc._owns_default_group else gpc._adopted_names[1]
+        self.used: set[Any] = set() if gpc._owns_default_group else gpc._meetings.adopted_names()
 
     def make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
         """This rank's new group with ``members`` (``every`` lists all groups of the kind)."""

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 from parallelctx import ParallelMode
-from parallelctx.checkcmd import run
 from parallelctx.cli import build_parser
+from parallelctx.cli.check import run
 from parallelctx.context import ParallelContext
 
 

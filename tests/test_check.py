@@ -11,8 +11,8 @@ import pytest
 from torchrun_helpers import run_torchrun
 
 from parallelctx import ParallelMode, plan
-from parallelctx.check import problems, verify
-from parallelctx.timing import bus_bandwidth, format_size, parse_sizes, summarise, timed_modes
+from parallelctx.cli.timing import bus_bandwidth, format_size, parse_sizes, summarise, timed_modes
+from parallelctx.cli.verify import problems, verify
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = Path(sys.executable).with_name("torchrun")

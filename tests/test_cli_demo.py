@@ -92,7 +92,7 @@ def test_module_entry_point() -> None:
 def test_demo_under_torchrun() -> None:
     argv = [
         "-m",
-        "parallelctx.demo",
+        "parallelctx.cli.demo",
         "--config",
         "configs/demo_3d.py",
         "--sizes",

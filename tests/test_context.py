@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LayoutError, NotLaunchedError, ParallelMode, gpc
-from parallelctx.context import resolve_backend
+from parallelctx.startup import resolve_backend
 
 
 @pytest.fixture

@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LayoutError, ParallelMode, gpc, load_config, plan
-from parallelctx.check import probe_groups, problems, verify
 from parallelctx.cli import main as cli_main
+from parallelctx.cli.verify import probe_groups, problems, verify
 
 EXPERT_MODES = (
     ParallelMode.EXPERT,

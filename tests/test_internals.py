@@ -19,11 +19,17 @@ TORCH_FREE = [
     "args",
     "hostlist",
     "env",
-    "placement",
-    "show",
-    "picture",
-    "cli",
+    "views",
+    "cli/__init__",
+    "cli/main",
+    "cli/plan",
+    "cli/env",
+    "cli/placement",
+    "cli/tables",
+    "cli/picture",
 ]
+# Integrations: modules named after the library or torch feature they bridge (docs/internals.md).
+INTEGRATIONS = ["mesh", "checkpoint", "megatron"]
 
 
 def _imports(module: str) -> list[tuple[str, bool]]:
@@ -45,10 +51,18 @@ def _imports(module: str) -> list[tuple[str, bool]]:
 
 
 def _modules() -> list[str]:
-    return sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
+    """Every module of the package as a path without .py, relative to parallelctx/."""
+    return sorted(
+        str(p.relative_to(PKG).with_suffix("")) for p in PKG.rglob("*.py") if p.name != "__init__.py"
+    )
 
 
-@pytest.mark.parametrize("module", _modules())
+def _library_modules() -> list[str]:
+    """The library: every module but the command-line tools (cli/, __main__) and the pytest plugin."""
+    return [m for m in _modules() if not m.startswith(("cli/", "testing/")) and m != "__main__"]
+
+
+@pytest.mark.parametrize("module", [m for m in _modules() if not m.startswith("testing/")])
 def test_no_module_imports_the_package(module: str) -> None:
     for name, _ in _imports(module):
         assert name not in ("parallelctx", ".") and not name.startswith("parallelctx."), (module, name)
@@ -61,10 +75,37 @@ def test_torch_free_modules_do_not_import_torch_at_load(module: str) -> None:
             assert not name.startswith("torch"), (module, name)
 
 
+@pytest.mark.parametrize("module", _library_modules())
+def test_the_library_never_imports_the_command_line_tools(module: str) -> None:
+    for name, _ in _imports(module):
+        assert not name.lstrip(".").startswith("cli"), (module, name)
+
+
+def test_command_modules_live_in_the_cli_package_and_integrations_exist() -> None:
+    top = {p.stem for p in PKG.glob("*.py")}
+    assert not top & {"check", "checkcmd", "demo", "picture", "placement", "show", "timing", "cli"}, top
+    assert {m for m in INTEGRATIONS} <= top
+    cli = {p.stem for p in (PKG / "cli").glob("*.py")}
+    assert {
+        "main",
+        "plan",
+        "env",
+        "check",
+        "verify",
+        "timing",
+        "placement",
+        "tables",
+        "picture",
+        "demo",
+    } <= cli
+
+
 def test_launch_context_and_spawn_boundaries() -> None:
     assert not any(name in (".spawn",) for name, _ in _imports("launch")), "launch.py imports spawn.py"
     context = {name for name, _ in _imports("context")}
     assert not context & {".launch", ".spawn", ".env", ".checkpoint"}, context
+    startup = {name for name, _ in _imports("startup")}
+    assert not startup & {".launch", ".spawn", ".env"}, "the launch sequence imports no launcher code"
     mesh = {name for name, _ in _imports("mesh")}
     assert ".context" not in mesh, "mesh.py takes values, not the context"
 
@@ -105,10 +146,10 @@ def test_lazy_names_resolve_to_the_functions() -> None:
 
 
 def test_every_table_covers_every_mode() -> None:
-    from parallelctx.context import VIEW_NAMES
     from parallelctx.layout import _MODE_AXES, ParallelMode
     from parallelctx.mesh import MESH_DIMS
     from parallelctx.seed import STREAM_AXES, STREAM_SLOTS
+    from parallelctx.views import VIEW_NAMES
 
     modes = set(ParallelMode)
     assert set(_MODE_AXES) == modes - {ParallelMode.EMBEDDING}  # EMBEDDING is derived from PIPELINE

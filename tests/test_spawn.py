@@ -1,7 +1,7 @@
 """spawn, init_dist and the launch adapters, with real processes (gloo on 127.0.0.1).
 
 Workers are module-level functions (spawned children import this module). Group membership is
-proven by collectives (parallelctx.check.probe_groups) and compared with the pure layout.
+proven by collectives (parallelctx.cli.verify.probe_groups) and compared with the pure layout.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import LaunchEnvError, ParallelMode, SpawnError, gpc, init_dist, plan, spawn
-from parallelctx.check import probe_groups, problems, verify
+from parallelctx.cli.verify import probe_groups, problems, verify
 from parallelctx.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import parallelctx
 from parallelctx import ParallelMode, gpc
-from parallelctx.check import probe_groups, problems, verify
+from parallelctx.cli.verify import probe_groups, problems, verify
 
 LAYOUTS = [
     {"tensor": 1, "pipeline": 2},  # tensor, context, expert of size 1

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import parallelctx
     from parallelctx import ParallelMode, gpc
-    from parallelctx.check import probe_groups, problems, verify
+    from parallelctx.cli.verify import probe_groups, problems, verify
     from parallelctx.env import detect
 
     try:

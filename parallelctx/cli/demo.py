@@ -1,9 +1,9 @@
 """The main demo: the layout, then ``parallelctx check`` on the demo config.
 
-    torchrun --standalone --nproc-per-node 8 -m parallelctx.demo --config configs/demo_3d.py
+    torchrun --standalone --nproc-per-node 8 -m parallelctx.cli.demo --config configs/demo_3d.py
 
 Rank 0 prints the layout table and picture and the launch summary; then every rank runs the
-check of :mod:`parallelctx.checkcmd` (membership proven by collectives, all-reduce times per
+check of :mod:`parallelctx.cli.check` (membership proven by collectives, all-reduce times per
 group, seed properties) and rank 0 prints its table. The exit code is 1 on every rank when any
 check fails. Takes the options of ``parallelctx check``.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checkcmd import run
-from .cli import check_arguments
-from .context import ParallelContext
-from .show import render
+from ..context import ParallelContext
+from .check import run
+from .main import check_arguments
+from .tables import render
 
 
 def main(argv: list[str] | None = None) -> int:

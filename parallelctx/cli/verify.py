@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .context import ParallelContext
-from .layout import Layout, ParallelMode
+from ..context import ParallelContext
+from ..layout import Layout, ParallelMode
 
 __all__ = ["ModeCheck", "probe_groups", "probe_seeds", "problems", "verify", "verify_seeds"]
 

@@ -5,8 +5,8 @@
     mpirun ... python -m parallelctx check --config F
 
 Every rank launches from the environment (:func:`parallelctx.launch_from_env`), probes its
-groups with collectives (:mod:`parallelctx.check`), times an all-reduce in every group
-(:mod:`parallelctx.timing`) and draws from its seed streams; rank 0 gathers it all, compares it
+groups with collectives (:mod:`parallelctx.cli.verify`), times an all-reduce in every group
+(:mod:`parallelctx.cli.timing`) and draws from its seed streams; rank 0 gathers it all, compares it
 with the pure layout and prints one table (or one JSON object). The exit code is 1 on every
 rank when any membership or seed check fails; times never fail a check.
 """
@@ -26,9 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .check import ModeCheck, probe_groups, probe_seeds, verify, verify_seeds
-from .context import ParallelContext
-from .layout import Layout, ParallelMode
+from ..context import ParallelContext
+from ..layout import Layout, ParallelMode
 from .placement import span_of_groups
 from .timing import (
     DEFAULT_SIZES,
@@ -39,6 +38,7 @@ from .timing import (
     time_allreduce,
     timed_modes,
 )
+from .verify import ModeCheck, probe_groups, probe_seeds, verify, verify_seeds
 
 __all__ = ["CheckReport", "ModeReport", "report_json", "report_table", "run", "run_checks"]
 
@@ -254,8 +254,8 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
     except ValueError as exc:
         print(f"parallelctx check: {exc}", file=sys.stderr)
         return 2
-    from .context import gpc
-    from .launch import launch_from_env
+    from ..context import gpc
+    from ..launch import launch_from_env
 
     launch_from_env(args.config)
     try:
