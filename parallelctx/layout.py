@@ -71,9 +71,19 @@ MODE_ALIASES: dict[str, str] = {
     "etp": "expert_tensor",
     "edp": "expert_data",
     "world": "global",
+    # the HSDP parts, by their device-mesh and torchtitan names
+    "dp_shard": "data_shard",
+    "dp_replicate": "data_replicate",
+    "dp_shard_cp": "data_shard_context",
+    "fsdp": "data_shard_context",
+    "dp_cp": "data_context",
+    "edp_shard": "expert_data_shard",
+    "efsdp": "expert_data_shard",
+    "edp_replicate": "expert_data_replicate",
 }
 """Other names of modes, accepted wherever a mode is (in any case): the order string's tokens,
-the expert mesh's dim names, and ``world`` (the name of ``gpc.world``)."""
+the device meshes' dim names (``dp_shard``, ``edp_replicate``, ...), torchtitan's ``fsdp`` and
+``efsdp``, and ``world`` (the name of ``gpc.world``)."""
 
 
 class LayoutError(ValueError):

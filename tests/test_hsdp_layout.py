@@ -157,3 +157,23 @@ def test_seed_streams_of_the_new_modes() -> None:
             assert len({seeds[r][mode] for r in group}) == 1, "one stream across the group, like DATA"
         for group in layout.groups(M.PIPELINE):
             assert len({seeds[r][mode] for r in group}) == len(group), "one stream per stage"
+
+
+def test_mesh_names_are_mode_aliases() -> None:
+    assert ParallelMode.parse("dp_shard") is M.DATA_SHARD
+    assert ParallelMode.parse("DP_REPLICATE") is M.DATA_REPLICATE
+    assert ParallelMode.parse("efsdp") is M.EXPERT_DATA_SHARD
+    assert ParallelMode.parse("fsdp") is M.DATA_SHARD_CONTEXT
+
+
+def test_plan_command_takes_the_split(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from parallelctx.cli.main import main
+
+    assert main(["plan", "--world-size", "8", "--tensor", "2", "--replicate", "2", "--json"]) == 0
+    groups = json.loads(capsys.readouterr().out)
+    assert groups["data_shard"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["data_replicate"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert main(["plan", "--world-size", "8", "--tensor", "2", "--replicate", "2", "--shard", "4"]) == 2
+    assert "parallel.data.shard=4 but" in capsys.readouterr().err
