@@ -77,7 +77,7 @@ def _bridge_class() -> type:
         """torchtitan's ParallelDims, meshes from gpc's process groups (parallelctx.torchtitan)."""
 
         def build_mesh(self) -> DeviceMesh:
-            from . import gpc
+            from .context import gpc
 
             return _build_meshes(self, gpc)
 
@@ -160,7 +160,7 @@ def parallel_dims(spmd_backend: str = "spmd_types") -> Any:
         TorchtitanError: torchtitan is not installed, ``spmd_backend`` is unknown, or the layout
             is not one torchtitan can describe (see :func:`check_layout`).
     """
-    from . import gpc
+    from .context import gpc
 
     if spmd_backend not in SPMD_BACKENDS:
         raise TorchtitanError(f"spmd_backend={spmd_backend!r} must be one of {', '.join(SPMD_BACKENDS)}")
