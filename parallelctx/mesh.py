@@ -40,7 +40,15 @@ from .layout import Layout, LayoutError, ParallelMode
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FLAT_DIMS", "MESH_DIMS", "MeshError", "MeshPlan", "build_device_mesh", "mesh_plan", "register_flat"]
+__all__ = [
+    "FLAT_DIMS",
+    "MESH_DIMS",
+    "MeshError",
+    "MeshPlan",
+    "build_device_mesh",
+    "mesh_plan",
+    "register_flat",
+]
 
 # Per grid: order-string token -> its mesh dimensions, slowest first, each
 # (mesh dimension name, the mode whose groups it uses, the key of its stride in Layout.strides).
@@ -167,7 +175,6 @@ def build_device_mesh(
             slice through this rank (the groups were not made from this layout).
     """
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     plan = mesh_plan(layout, grid)
@@ -241,7 +248,7 @@ def register_flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str, group: Any
         KeyError: ``dims`` names no dimensions of ``mesh``.
         ValueError: ``name`` is already one of ``mesh``'s dimension names.
     """
-    from torch.distributed.device_mesh import DeviceMesh, _MeshLayout  # type: ignore[attr-defined]
+    from torch.distributed.device_mesh import DeviceMesh, _MeshLayout
 
     root = mesh._get_root_mesh()
     if name in (root.mesh_dim_names or ()):

@@ -232,7 +232,9 @@ def _build_meshes(dims: Any, ctx: Any) -> Any:
     batch, efsdp = rep * shard, shard * cp * tp // ep
     backend = dims.spmd_backend
     world = DeviceMesh.from_group(ctx.get_group(M.GLOBAL), ctx.device.type, mesh_dim_names=("world",))
-    loading = _mesh(ctx, ("pp", "batch", "cp", "tp"), (M.PIPELINE, M.DATA, M.CONTEXT, M.TENSOR), (pp, batch, cp, tp))
+    loading = _mesh(
+        ctx, ("pp", "batch", "cp", "tp"), (M.PIPELINE, M.DATA, M.CONTEXT, M.TENSOR), (pp, batch, cp, tp)
+    )
     loss = register_flat(loading, ("batch", "cp"), "loss_mesh", ctx.get_group(M.DATA_CONTEXT))
     full = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     full_modes = (M.PIPELINE, M.DATA_REPLICATE, M.DATA_SHARD, M.CONTEXT, M.TENSOR)
@@ -273,7 +275,9 @@ def _build_meshes(dims: Any, ctx: Any) -> Any:
         "partial_dtensor": ["dp_replicate", "fsdp", "tp"],
     }[backend]
     if backend == "spmd_types":
-        fwdbwd = _mesh(ctx, ("pp", "dp", "cp", "tp"), (M.PIPELINE, M.DATA, M.CONTEXT, M.TENSOR), (pp, batch, cp, tp))
+        fwdbwd = _mesh(
+            ctx, ("pp", "dp", "cp", "tp"), (M.PIPELINE, M.DATA, M.CONTEXT, M.TENSOR), (pp, batch, cp, tp)
+        )
         meshes["spmd_dense_for_fwdbwd"] = fwdbwd["dp", "cp", "tp"]
         single["dp"] = meshes["spmd_dense_for_fwdbwd"]["dp"]
         if ep > 1:

@@ -42,8 +42,12 @@ def test_default_order_is_torchtitans_mesh() -> None:
 def _shapes() -> list[dict]:
     out = []
     for world, order in itertools.product((8, 16, 24), ("tp-cp-ep-dp-pp", "tp-pp-dp", "tp-cp-ep-pp-dp")):
-        for tp, pp, cp, ep, etp, rep in itertools.product((1, 2), (1, 2), (1, 2), (1, 2, 4), (1, 2), (1, 2, 3)):
-            kw = dict(tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp, order=order, replicate=rep)
+        for tp, pp, cp, ep, etp, rep in itertools.product(
+            (1, 2), (1, 2), (1, 2), (1, 2, 4), (1, 2), (1, 2, 3)
+        ):
+            kw = dict(
+                tensor=tp, pipeline=pp, context=cp, expert=ep, expert_tensor=etp, order=order, replicate=rep
+            )
             try:
                 plan(world, **kw)
             except LayoutError:
@@ -83,16 +87,22 @@ def test_split_invariants(kw: dict) -> None:
             k = members.index(r) // layout.size(shard)
             assert layout.group_of(shard, r) == members[k * layout.size(shard) : (k + 1) * layout.size(shard)]
             # replicate is the outer part: every shard-th member
-            assert layout.group_of(replica, r) == members[members.index(r) % layout.size(shard) :: layout.size(shard)]
+            assert (
+                layout.group_of(replica, r)
+                == members[members.index(r) % layout.size(shard) :: layout.size(shard)]
+            )
             assert len(set(layout.group_of(shard, r)) & set(layout.group_of(replica, r))) == 1
     for r in range(0, layout.world_size, 3):
         expect = sorted(
-            set(layout.group_of(M.DATA_SHARD, r)) | set(layout.group_of(M.CONTEXT, r))
+            set(layout.group_of(M.DATA_SHARD, r))
+            | set(layout.group_of(M.CONTEXT, r))
             | {a + b - r for a in layout.group_of(M.DATA_SHARD, r) for b in layout.group_of(M.CONTEXT, r)}
         )
         assert layout.group_of(M.DATA_SHARD_CONTEXT, r) == expect
     for mode in NEW:
-        assert (layout.signature(mode) == layout.signature(M.DATA)) == (layout.groups(mode) == layout.groups(M.DATA))
+        assert (layout.signature(mode) == layout.signature(M.DATA)) == (
+            layout.groups(mode) == layout.groups(M.DATA)
+        )
 
 
 def test_replicate_one_is_todays_layout() -> None:

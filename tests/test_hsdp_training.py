@@ -26,7 +26,10 @@ def _model() -> nn.Sequential:
 def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     return [
-        (torch.randn(BATCH, 8, generator=gen, dtype=torch.float64), torch.randn(BATCH, 4, generator=gen, dtype=torch.float64))
+        (
+            torch.randn(BATCH, 8, generator=gen, dtype=torch.float64),
+            torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+        )
         for _ in range(STEPS)
     ]
 
@@ -59,7 +62,10 @@ def _train(model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
         total = loss.detach().clone()
         dist.all_reduce(total, group=gpc.get_group(ParallelMode.DATA))
         losses.append(total.item() / size)
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        for k, v in model.state_dict().items()
+    }
     return losses, full
 
 

@@ -334,7 +334,7 @@ def test_every_mesh_dimension_is_its_group_8_ranks(eight_ranks: list[dict[str, A
         assert res["hsdp"]["names"] == ["dp_replicate", "dp_shard"]
         rows = res["hsdp"]["mesh"]
         assert [rows[0][0], rows[1][0]] == EIGHT_LAYOUT.group_of(ParallelMode.DATA_REPLICATE, rows[0][0])
-        assert sorted(sum(rows, [])) == EIGHT_LAYOUT.group_of(ParallelMode.DATA, rank)
+        assert sorted(r for row in rows for r in row) == EIGHT_LAYOUT.group_of(ParallelMode.DATA, rank)
         assert any(row == EIGHT_LAYOUT.group_of(ParallelMode.DATA_SHARD, rank) for row in rows)
     assert all(r["missing_raise_keyerror"] == ["dense.etp", "expert.tp", "expert.cp"] for r in eight_ranks)
 

@@ -54,7 +54,11 @@ def test_every_mesh_matches_torchtitans_build(parity: list[list[dict[str, Any]]]
                     assert mine[key] == value, (rank, rec["layout"], backend, key)
                     checked += 1
                 if backend == "spmd_types":
-                    assert set(NAMES) | {"world", "dp_replicate,dp_shard", "dp_replicate,dp_shard,cp,tp"} == set(mine)
+                    assert set(NAMES) | {
+                        "world",
+                        "dp_replicate,dp_shard",
+                        "dp_replicate,dp_shard,cp,tp",
+                    } == set(mine)
     assert checked > 8 * 9 * 12
 
 
@@ -147,7 +151,13 @@ def _steps(model: Any, rank: int, size: int) -> tuple[list[float], dict[str, Any
     import torch
 
     gen = torch.Generator().manual_seed(1)
-    data = [(torch.randn(BATCH, 8, generator=gen, dtype=torch.float64), torch.randn(BATCH, 4, generator=gen, dtype=torch.float64)) for _ in range(STEPS)]
+    data = [
+        (
+            torch.randn(BATCH, 8, generator=gen, dtype=torch.float64),
+            torch.randn(BATCH, 4, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(STEPS)
+    ]
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     rows, losses = BATCH // size, []
     for x, y in data:
@@ -157,7 +167,10 @@ def _steps(model: Any, rank: int, size: int) -> tuple[list[float], dict[str, Any
         loss.backward()
         opt.step()
         losses.append(loss.detach())
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        for k, v in model.state_dict().items()
+    }
     return losses, full
 
 
@@ -176,7 +189,9 @@ def test_torchtitans_fsdp_apply_step_on_the_bridge_trains_like_serial() -> None:
     assert isinstance(dims, ParallelDims)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep) == (2, 2, 2, 1)
     # expert-tensor size 2 (the default) with ep 1: efsdp is torchtitan's shape-only fake group
-    assert dist.get_backend(dims.get_optional_mesh("efsdp", include_singleton_axes=True).get_group()) == "fake"
+    assert (
+        dist.get_backend(dims.get_optional_mesh("efsdp", include_singleton_axes=True).get_group()) == "fake"
+    )
     assert dims.get_optional_mesh("efsdp") is None
     assert dims.get_mesh("tp").get_group() is gpc.get_group(ParallelMode.TENSOR)
     dp_mesh = dims.get_mesh(["dp_replicate", "fsdp"])  # what torchtitan's parallelize_llama passes
@@ -185,7 +200,9 @@ def test_torchtitans_fsdp_apply_step_on_the_bridge_trains_like_serial() -> None:
     for block in model.layers.values():
         parallelize_module(block, dims.get_mesh("tp"), {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     apply_fsdp_to_decoder(model, dp_mesh, torch.float64, torch.float64, pp_enabled=dims.pp_enabled)
-    losses, weights = _steps(model, gpc.get_local_rank(ParallelMode.DATA), gpc.get_world_size(ParallelMode.DATA))
+    losses, weights = _steps(
+        model, gpc.get_local_rank(ParallelMode.DATA), gpc.get_world_size(ParallelMode.DATA)
+    )
     for loss in losses:
         dist.all_reduce(loss, group=gpc.get_group(ParallelMode.DATA))
     want_losses, want_weights = _steps(_tiny_decoder(), 0, 1)

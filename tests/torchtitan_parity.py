@@ -155,7 +155,14 @@ def main() -> int:
             with counting() as own_count:
                 start = time.perf_counter()
                 own = tt.ParallelDims(
-                    dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp, ep=ep, world_size=8, spmd_backend=backend
+                    dp_replicate=rep,
+                    dp_shard=shard,
+                    cp=cp,
+                    tp=tp,
+                    pp=pp,
+                    ep=ep,
+                    world_size=8,
+                    spmd_backend=backend,
                 )
                 own.build_mesh()
                 entry["torchtitan_s"] = time.perf_counter() - start

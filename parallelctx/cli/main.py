@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expert", type=int, default=None)
     p.add_argument("--expert-tensor", type=int, default=None, help="default: the tensor size")
     p.add_argument("--replicate", type=int, default=None, help="HSDP: replicas of the data axis (outer part)")
-    p.add_argument("--shard", type=int, default=None, help="HSDP: shard size of the data axis (default: derived)")
+    p.add_argument(
+        "--shard", type=int, default=None, help="HSDP: shard size of the data axis (default: derived)"
+    )
     p.add_argument("--order", default=None, help=f"fastest axis first (default {DEFAULT_ORDER})")
     p.add_argument("--json", action="store_true", help="print {mode: groups} as JSON")
     p.add_argument("--output", default=None, metavar="FILE", help="write the full JSON to FILE")
