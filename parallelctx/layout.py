@@ -40,6 +40,7 @@ from .limits import MAX_WORLD_SIZE
 __all__ = [
     "AXES",
     "DEFAULT_ORDER",
+    "HSDP_MODES",
     "MAX_WORLD_SIZE",
     "MODE_ALIASES",
     "Layout",
@@ -149,6 +150,15 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
                 f"unknown parallel mode {mode!r}; valid modes: {valid} (any case); aliases: {aliases}"
             ) from None
 
+
+HSDP_MODES: tuple[ParallelMode, ...] = (
+    ParallelMode.DATA_SHARD,
+    ParallelMode.DATA_REPLICATE,
+    ParallelMode.DATA_SHARD_CONTEXT,
+    ParallelMode.EXPERT_DATA_SHARD,
+    ParallelMode.EXPERT_DATA_REPLICATE,
+)
+"""The modes of the HSDP split of the data axes (``parallel.data=dict(replicate=R)``)."""
 
 # Member lookups (ParallelMode.TENSOR) at plain-attribute speed on Python 3.11.
 speed_up(ParallelMode)
@@ -521,6 +531,14 @@ class Layout:
     def modes(self) -> list[ParallelMode]:
         """Return every mode this layout describes, in a fixed order (GLOBAL first)."""
         return list(ParallelMode)
+
+    def shown_modes(self) -> list[ParallelMode]:
+        """Return the modes worth showing a reader (``plan``'s table and picture): every mode,
+        except the HSDP parts (:data:`HSDP_MODES`) when ``replicate`` is 1, where they repeat
+        DATA, DATA_CONTEXT and EXPERT_DATA or have size 1."""
+        if self.replicate > 1:
+            return self.modes()
+        return [m for m in self.modes() if m not in HSDP_MODES]
 
     def to_dict(self) -> dict[str, list[list[int]]]:
         """Return ``{mode name: groups}`` for every mode, mode names lower-case."""

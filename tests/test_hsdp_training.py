@@ -120,3 +120,31 @@ def test_flattened_dp_dim_is_gpcs_data_group() -> None:
         dp = gpc.device_mesh["dp"]
     assert dp.get_group() is gpc.get_group(ParallelMode.DATA)
     assert dp.mesh.tolist() == gpc.get_ranks_in_group(ParallelMode.DATA)
+
+
+@pytest.mark.parallel(world_size=8, tensor=2, data=dict(replicate=2), expert=dict(size=2, tensor=1))
+def test_queries_groups_and_streams_of_the_hsdp_modes() -> None:
+    from parallelctx.testing import assert_same_across
+
+    layout = gpc.layout
+    rank = gpc.get_global_rank()
+    assert (layout.replicate, layout.shard, layout.expert_shard) == (2, 2, 2)
+    for mode in (
+        ParallelMode.DATA_SHARD,
+        ParallelMode.DATA_REPLICATE,
+        ParallelMode.DATA_SHARD_CONTEXT,
+        ParallelMode.EXPERT_DATA_SHARD,
+        ParallelMode.EXPERT_DATA_REPLICATE,
+    ):
+        members = layout.group_of(mode, rank)
+        assert gpc.get_ranks_in_group(mode) == members
+        assert gpc.get_local_rank(mode) == members.index(rank) == getattr(gpc, mode.value).rank
+        assert gpc.get_world_size(mode) == len(members) == 2
+        # the group holds those ranks: an all-gather of global ranks over it
+        got = [torch.zeros(1, dtype=torch.int64) for _ in members]
+        dist.all_gather(got, torch.tensor([rank]), group=gpc.get_group(mode))
+        assert [int(t) for t in got] == members
+        with gpc.seed(mode):
+            draw = torch.rand(3)
+        assert_same_across(mode, draw)  # one stream per group (and per stage), like DATA
+    assert gpc.get_ranks_in_group("dp_shard") == layout.group_of(ParallelMode.DATA_SHARD, rank)
