@@ -6,8 +6,10 @@ gpc.seed(ParallelMode.TENSOR):`` around dropout) would draw *different* numbers 
 because that stream advanced during the forward: wrong gradients, silently.
 
 * :func:`checkpoint` is a drop-in for ``torch.utils.checkpoint.checkpoint`` (same arguments)
-  that also saves every gpc stream when the region first runs and restores it for each
-  recomputation, putting the streams back where they were afterwards.
+  that also saves every gpc stream, and which one is active, when the region first runs, and
+  replays from there for each recomputation: the region runs again on the stream it was entered
+  under (``with gpc.seed(X): checkpoint(...)``, backward outside the block or under another
+  stream), then every stream and the active one are put back as they were.
 * :func:`rng_context_fn` does the same for users who call torch's checkpoint themselves (the
   non-reentrant form): ``checkpoint(fn, x, use_reentrant=False, context_fn=rng_context_fn)``.
 
@@ -51,12 +53,8 @@ class _Replay:
         if streams is None or self.saved is None:
             yield
             return
-        now = streams.snapshot()
-        streams.restore(self.saved)
-        try:
+        with streams.replay(self.saved):
             yield
-        finally:
-            streams.restore(now)
 
 
 def rng_context_fn() -> tuple[

@@ -2,14 +2,21 @@
 
 The seed of stream ``s`` on a rank is::
 
-    seed(s) = base + SLOT[s] * 2**32 + index(s)
+    seed(s) = (base + SLOT[s] * 2**24 + index(s)) mod 2**32
 
-``SLOT[s]`` is a fixed number per stream (:data:`STREAM_SLOTS`; GLOBAL = 0, so the default stream
-is ``base + pp``). Slots are pinned, never derived from the enum's order, so adding a mode never
-changes an existing seed and bit-exact resumes keep working. ``index(s)`` is a mixed-radix number,
-pipeline coordinate slowest, over the coordinates the stream must differ along
-(:data:`STREAM_AXES`). Since ``base < 2**32`` and ``index < world_size <= 2**32``, two streams
-never share a seed on one rank.
+``SLOT[s]`` is a fixed number per stream (:data:`STREAM_SLOTS`, below 256; GLOBAL = 0, so the
+default stream is ``base + pp``). Slots are pinned, never derived from the enum's order, so adding
+a mode never changes an existing seed and bit-exact resumes keep working. ``index(s)`` is a
+mixed-radix number, pipeline coordinate slowest, over the coordinates the stream must differ along
+(:data:`STREAM_AXES`).
+
+Every seed lies in ``[0, 2**32)``, so each generator keeps all of it: torch's CPU generator
+(mt19937) uses only the low 32 bits of a seed, CUDA's Philox 64. Since ``index < world_size <=
+2**24`` and ``SLOT < 2**8``, the map ``(SLOT, index) -> seed`` is one-to-one for a given base: no
+two streams of a rank start from the same seed, so no two draw the same numbers, and two ranks
+share a stream's seed exactly when they agree on its axes. (The first formula used
+``SLOT * 2**32``: the CPU generator dropped those bits, and every stream of a rank drew the same
+numbers.)
 
 Besides one stream per :class:`ParallelMode` there is :data:`REPLICA`, a stream that differs
 across data-parallel replicas (and pipeline stages) and agrees inside a replica (across its
@@ -32,6 +39,7 @@ import numpy as np
 import torch
 
 from .layout import Layout, ParallelMode
+from .limits import MAX_WORLD_SIZE
 
 __all__ = [
     "REPLICA",
@@ -99,6 +107,13 @@ STREAM_AXES: dict[Any, tuple[str, ...]] = {
     REPLICA: ("pp", "dp"),
 }
 
+SLOT_SPACING = MAX_WORLD_SIZE
+"""Distance between the seeds of two slots (2**24): an index is below the world size, so the
+indexes of two slots never overlap."""
+
+SLOT_LIMIT = 2**32 // SLOT_SPACING
+"""Slots lie in ``[0, SLOT_LIMIT)``: every seed then fits the 32 bits torch's CPU generator keeps."""
+
 STREAMS: tuple[Any, ...] = (*ParallelMode, REPLICA)
 """Every stream key, in slot order."""
 
@@ -107,15 +122,18 @@ if _missing:  # caught by the import itself, so a new mode cannot ship without i
     raise ImportError(f"parallelctx.seed: no seed slot or axes for {_missing}; add them to STREAM_SLOTS/AXES")
 if len(set(STREAM_SLOTS.values())) != len(STREAM_SLOTS):
     raise ImportError("parallelctx.seed: two streams share a seed slot")
+if not all(0 <= slot < SLOT_LIMIT for slot in STREAM_SLOTS.values()):
+    raise ImportError(f"parallelctx.seed: every seed slot must lie in [0, {SLOT_LIMIT})")
 
 
 def parse_stream(stream: Stream) -> Any:
     """Return the stream key for ``stream``: a :class:`ParallelMode`, or :data:`REPLICA`.
 
     Raises:
-        LayoutError: ``stream`` names neither a mode nor ``"replica"``.
+        LayoutError: ``stream`` names neither a mode (any name of :meth:`ParallelMode.parse`) nor
+            ``"replica"`` (any case).
     """
-    if stream == REPLICA:
+    if isinstance(stream, str) and stream.lower() == REPLICA:
         return REPLICA
     return ParallelMode.parse(stream)
 
@@ -131,7 +149,7 @@ def mode_seed(layout: Layout, rank: int, mode: Stream, base: int) -> int:
     index = 0
     for axis in STREAM_AXES[key]:
         index = index * layout.axis_size(axis) + coords[axis]
-    return base + STREAM_SLOTS[key] * 2**32 + index
+    return (base + STREAM_SLOTS[key] * SLOT_SPACING + index) % 2**32
 
 
 def seed_everything(seed: int) -> None:
@@ -199,18 +217,50 @@ class RNGStreams:
         states[self._active] = self._capture()
         return RNGSnapshot(self._active, states)
 
-    def restore(self, snap: RNGSnapshot) -> None:
-        """Put every stream back to ``snap``, wherever the caller is: the generators get the
-        state of the stream active now, the other streams wait in the table.
+    def restore(self, snap: RNGSnapshot, activate: bool = False) -> None:
+        """Put every stream back to ``snap``. By default the stream active now stays active
+        (``gpc.set_rng_state`` inside a ``with gpc.seed`` block): the generators get its state
+        from ``snap``. With ``activate=True`` the stream active in ``snap`` becomes active again,
+        as for a recomputation; the caller must then restore a later snapshot the same way
+        (:meth:`replay` does both).
 
         Raises:
             KeyError: ``snap`` lacks a stream this object has (it came from another layout).
         """
+        self._check(snap)
+        if activate:
+            self._load(snap)
+            return
+        self._states = dict(snap.states)
+        self._restore(self._states[self._active])
+
+    @contextlib.contextmanager
+    def replay(self, snap: RNGSnapshot) -> Iterator[None]:
+        """Run the body as if at the moment of ``snap``: every stream as it was then, and the
+        stream active then active again (a checkpointed region's recomputation draws what its
+        forward drew, whatever stream is active now). Afterwards every stream, and which one
+        is active, are put back as they were before the body.
+
+        Raises:
+            KeyError: ``snap`` lacks a stream this object has (it came from another layout).
+        """
+        now = self.snapshot()
+        self.restore(snap, activate=True)
+        try:
+            yield
+        finally:
+            self.restore(now, activate=True)
+
+    def _check(self, snap: RNGSnapshot) -> None:
         missing = set(self._states) - set(snap.states)
         if missing:
             raise KeyError(f"the RNG snapshot has no state for streams {sorted(map(str, missing))}")
+
+    def _load(self, snap: RNGSnapshot) -> None:
+        """Every stream from ``snap``, and ``snap``'s active stream into the generators."""
         self._states = dict(snap.states)
-        self._restore(self._states[self._active])
+        self._active = snap.active
+        self._restore(self._states[snap.active])
 
     @contextlib.contextmanager
     def fork(self, mode: Any) -> Iterator[None]:
@@ -218,9 +268,13 @@ class RNGStreams:
 
         The generators always hold the active stream; the others wait in ``_states``.
 
+        ``mode`` is a stream key or any name of one (``"tensor"``, ``"tp"``, ``"replica"``).
+
         Raises:
-            KeyError: ``mode`` has no stream.
+            LayoutError: ``mode`` names no stream.
+            KeyError: ``mode`` has no stream here.
         """
+        mode = parse_stream(mode)  # a plain name must find the active stream by identity below
         outer = self._active
         if mode is outer:
             yield

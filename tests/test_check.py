@@ -53,7 +53,15 @@ def test_verify_names_the_modes_of_a_wrong_layout() -> None:
     fabricated = plan(8, tensor=2, pipeline=2, order="tp-pp-dp")  # what it is checked against
     checks = {c.mode: c for c in verify(fabricated, {r: honest_probe(real, r) for r in range(8)})}
     failed = {mode for mode, c in checks.items() if not c.ok}
-    assert failed == {"pipeline", "data", "model", "data_context", "embedding", "expert_data", "expert_model"} | {
+    assert failed == {
+        "pipeline",
+        "data",
+        "model",
+        "data_context",
+        "embedding",
+        "expert_data",
+        "expert_model",
+    } | {
         # the HSDP parts equal data, data_context and expert_data here (replicate 1): wrong with them
         "data_shard",
         "data_shard_context",
@@ -152,3 +160,34 @@ def test_check_fails_on_a_tampered_group(tmp_path) -> None:
     assert "tensor.members on rank 0: got [0, 2], expected [0, 1]" in report["modes"]["tensor"]["problems"]
     codes = sorted(p.read_text() for p in tmp_path.glob("rank-*.rc"))
     assert codes == ["1"] * 8, "every rank exits non-zero"
+
+
+def _seed_probes(layout, seed_of) -> list[dict]:
+    """What probe_seeds gathers when each stream is seeded with ``seed_of(rank, mode)``."""
+    import torch
+
+    out = []
+    for rank in range(layout.world_size):
+        seeds = {m.value: seed_of(rank, m) for m in ParallelMode}
+        draws = {}
+        for mode in ParallelMode:
+            values = torch.rand(8, generator=torch.Generator().manual_seed(seeds[mode.value])).tolist()
+            draws[mode.value] = [values[:4], values[4:]]
+        out.append({"rank": rank, "coords": layout.coords(rank), "seeds": seeds, "draws": draws})
+    return out
+
+
+def test_verify_seeds_catches_streams_that_draw_alike_despite_distinct_seeds() -> None:
+    from parallelctx.cli.verify import verify_seeds
+    from parallelctx.seed import STREAM_SLOTS, mode_seed
+
+    layout = plan(4, tensor=2, pipeline=2)
+    assert verify_seeds(layout, _seed_probes(layout, lambda r, m: mode_seed(layout, r, m, 1024))) == []
+
+    # the first formula: slots 2**32 apart, which the CPU generator drops
+    def old(r, m):
+        return mode_seed(layout, r, m, 1024) % 2**24 + STREAM_SLOTS[m] * 2**32
+
+    errors = verify_seeds(layout, _seed_probes(layout, old))
+    assert any("rank 0: these streams draw the same numbers" in e for e in errors), errors
+    assert not any("share a seed" in e for e in errors)

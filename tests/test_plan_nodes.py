@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import struct
+import subprocess
 import sys
 import zlib
 from itertools import permutations
@@ -298,3 +299,18 @@ def test_svg_panels_and_errors(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(PictureError, match=r"pip install 'parallelctx\[plot\]'"):
         draw(layout, 4, target)
+
+
+def test_plan_into_a_closed_pipe_stops_quietly() -> None:
+    # `parallelctx plan --json | head -c 10`: the reader leaves early; no traceback, exit 141.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "parallelctx", "plan", "--world-size", "16384", "--tensor", "2", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(10) == b'{"global":'
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141 and "Traceback" not in err, err

@@ -109,3 +109,28 @@ def test_model_code_can_name_modes_by_the_order_tokens() -> None:
         by_mode = torch.rand(4)
     assert torch.equal(by_alias, by_mode)
     assert gpc.get_seed("TP") == gpc.get_seed(ParallelMode.TENSOR)
+
+
+@pytest.mark.parallel(world_size=4, tensor=2, pipeline=2)
+def test_a_stream_named_by_any_spelling_continues_the_stream() -> None:
+    # The active stream entered by a plain name continues: it must not replay earlier draws.
+    streams = gpc.rng_streams
+    first = torch.rand(4)  # the default (global) stream is active after launch
+    for name in ("global", "GLOBAL", "world"):
+        with streams.fork(name):
+            again = torch.rand(4)
+        assert not torch.equal(again, first), name
+    # An alias's stream is the mode's stream, and differs from another mode's stream.
+    state = gpc.get_rng_state()
+    with gpc.seed("tp"):
+        tp = torch.rand(8)
+    gpc.set_rng_state(state)
+    with gpc.seed("Data"):
+        data = torch.rand(8)
+    assert not torch.equal(tp, data)
+    gpc.set_rng_state(state)
+    with gpc.seed("REPLICA"):
+        replica = torch.rand(8)
+    gpc.set_rng_state(state)
+    with gpc.seed("replica"):
+        assert torch.equal(torch.rand(8), replica)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
 from parallelctx import ParallelMode, plan
-from parallelctx.seed import mode_seed
+from parallelctx.limits import MAX_WORLD_SIZE
+from parallelctx.seed import STREAM_AXES, STREAMS, mode_seed
 
 
 @pytest.mark.parametrize(
@@ -51,6 +53,56 @@ def test_formula_is_independent_of_data_parallel_size() -> None:
 
 def test_documented_example() -> None:
     layout = plan(8, tensor=2, pipeline=2)
-    # rank 5: tp=1, dp=0, pp=1 -> TENSOR index = pp*T + tp = 3, k(TENSOR) = 1
-    assert mode_seed(layout, 5, "tensor", 1024) == 1024 + 2**32 + 3
+    # rank 5: tp=1, dp=0, pp=1 -> TENSOR index = pp*T + tp = 3, slot(TENSOR) = 1
+    assert mode_seed(layout, 5, "tensor", 1024) == 1024 + 2**24 + 3
     assert mode_seed(layout, 5, "global", 1024) == 1025
+    # the sum wraps around 2**32, so a seed always fits the CPU generator's 32 bits
+    assert (
+        mode_seed(layout, 5, "replica", 2**32 - 1) == (2**32 - 1 + 64 * 2**24 + 2) % 2**32
+    )  # index pp*D + dp = 2
+
+
+@pytest.mark.parametrize("base", [0, 1234, 2**32 - 1])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(world=48, tensor=2, pipeline=3, context=2, expert=2, expert_tensor=1, order="tp-cp-ep-dp-pp"),
+        dict(world=16, tensor=2, pipeline=2, expert=2),
+        dict(world=MAX_WORLD_SIZE, tensor=8, pipeline=16),
+    ],
+)
+def test_seeds_fit_32_bits_and_two_share_one_only_for_the_same_stream_coordinates(
+    base: int, kwargs: dict
+) -> None:
+    # the CPU generator keeps only the low 32 bits of a seed: distinct seeds must stay distinct there
+    world = kwargs["world"]
+    layout = plan(world, **{k: v for k, v in kwargs.items() if k != "world"})
+    ranks = range(world) if world <= 64 else [0, 1, world // 2, world - 2, world - 1]
+    owner: dict[int, tuple[str, tuple[int, ...]]] = {}
+    for rank in ranks:
+        coords = layout.coords(rank)
+        for stream in STREAMS:
+            seed = mode_seed(layout, rank, stream, base)
+            assert 0 <= seed < 2**32
+            key = (str(stream), tuple(coords[a] for a in STREAM_AXES[stream]))
+            assert owner.setdefault(seed, key) == key, f"{key} and {owner[seed]} share seed {seed}"
+
+
+def test_seed_table_in_the_docs_is_the_formulas() -> None:
+    # docs/seeds.md shows every stream's seed on a 4-rank world; regenerate it from the formula
+    text = (Path(__file__).resolve().parent.parent / "docs" / "seeds.md").read_text()
+    marker = "<!-- seed-table: world=4 tensor=2 pipeline=2 base=1024 -->\n"
+    shown = text.split(marker, 1)[1].split("\n\n", 1)[0].strip()
+    layout = plan(4, tensor=2, pipeline=2)
+    where = [layout.coords(r) for r in range(4)]
+    rows = [
+        "| stream | "
+        + " | ".join(f"rank {r} (tp {c['tp']}, pp {c['pp']})" for r, c in enumerate(where))
+        + " |",
+        "| --- | --- | --- | --- | --- |",
+        *(
+            f"| {s} | " + " | ".join(str(mode_seed(layout, r, s, 1024)) for r in range(4)) + " |"
+            for s in STREAMS
+        ),
+    ]
+    assert shown == "\n".join(rows), "paste this table into docs/seeds.md:\n" + "\n".join(rows)

@@ -14,6 +14,8 @@ Each command lives in its own module of this package and is imported only when i
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from ..layout import DEFAULT_ORDER
 
@@ -101,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; return its exit code (0 ok, 2 bad arguments)."""
+    """Run the command; return its exit code (0 ok, 2 bad arguments, 141 when the reader of
+    its output closed the pipe)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # The reader went away (``parallelctx plan --json | head``): stop quietly, as Unix tools
+        # do, and keep Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe

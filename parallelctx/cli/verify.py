@@ -183,7 +183,7 @@ def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
     * the TENSOR stream differs within a tensor group and agrees between ranks that differ
       only in their data coordinate;
     * the DATA stream agrees within a data group and differs between pipeline stages;
-    * no two modes start from the same seed on one rank;
+    * no two modes start from the same seed, or draw the same numbers, on one rank;
     * each stream continues where it stopped and matches a generator seeded with its seed.
 
     Returns:
@@ -214,6 +214,12 @@ def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
         seeds = list(entry["seeds"].values())
         if len(set(seeds)) != len(seeds):
             errors.append(f"rank {rank}: two modes share a seed: {entry['seeds']}")
+        by_draw: dict[tuple[float, ...], list[str]] = {}
+        for mode in ParallelMode:  # distinct seeds are not enough: a generator may drop seed bits
+            by_draw.setdefault(tuple(first(rank, mode)), []).append(mode.value)
+        alike = [names for names in by_draw.values() if len(names) > 1]
+        if alike:
+            errors.append(f"rank {rank}: these streams draw the same numbers: {alike}")
         for mode in ParallelMode:
             if mode is ParallelMode.GLOBAL:
                 continue  # the default stream also served the draws of the other probes

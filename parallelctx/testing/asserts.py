@@ -51,22 +51,41 @@ def gather_across(mode: ParallelMode | str, tensor: torch.Tensor) -> list[torch.
             f"gather_across({_name(mode)!r}) needs the same shape and dtype on every rank of the group; "
             f"got {seen}"
         )
-    parts = [torch.empty_like(local) for _ in ranks]
-    dist.all_gather(parts, local, group=group)
-    return [p.to(tensor.device) for p in parts]
+    # gathered as raw bytes: exact for every dtype, including those gloo cannot send (int16, ...)
+    raw = local.reshape(-1).view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in ranks]
+    dist.all_gather(parts, raw, group=group)
+    return [p.view(local.dtype).reshape(local.shape).to(tensor.device) for p in parts]
 
 
-def _differences(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[bool, float]:
-    """(whether a and b are close, the largest absolute difference); NaNs in the same places are equal."""
-    if a.dtype == torch.bool:
-        a, b = a.to(torch.int8), b.to(torch.int8)
-    if not (a.is_floating_point() or a.is_complex()):
-        a, b = a.to(torch.float64), b.to(torch.float64)
-    close = bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True).all()) if a.numel() else True
+def _is_exact(dtype: torch.dtype) -> bool:
+    """Integer and bool tensors compare exactly (no tolerance, no detour through floats)."""
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+def _differences(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> tuple[bool, float | int]:
+    """(whether a and b are close, the largest absolute difference).
+
+    Integer and bool tensors are equal only when every element is (the difference an exact
+    Python int); floating tensors use ``torch.isclose``, NaNs in the same places being equal.
+    Two empty tensors are equal.
+    """
+    if not a.numel():
+        return True, 0
+    if _is_exact(a.dtype):
+        differ = a != b
+        if not bool(differ.any()):
+            return True, 0
+        pairs = zip(a[differ].tolist(), b[differ].tolist(), strict=True)
+        return False, max(abs(int(x) - int(y)) for x, y in pairs)
+    close = bool(torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True).all())
     diff = (a - b).abs()
     diff = torch.where(torch.isnan(a) & torch.isnan(b), torch.zeros_like(diff), diff)
-    largest = float(torch.nan_to_num(diff, nan=float("inf")).max()) if diff.numel() else 0.0
-    return close, largest
+    return close, float(torch.nan_to_num(diff, nan=float("inf")).max())
+
+
+def _show(largest: float | int) -> str:
+    return str(largest) if isinstance(largest, int) else f"{largest:.6g}"
 
 
 def assert_same_across(
@@ -76,27 +95,43 @@ def assert_same_across(
     ``mode`` group: replicated weights, a tensor-parallel layer's all-reduced output, gradients
     after a data-parallel all-reduce. Exact by default.
 
+    Floating and complex tensors compare with ``torch.isclose`` (NaNs in the same places are
+    equal). Integer and bool tensors compare exactly, element by element (``2**53`` and
+    ``2**53 + 1`` differ); ``atol``/``rtol`` must stay 0 for them. Empty tensors (of the same
+    shape on every rank) hold no values that could differ, so they are equal: the assertion passes.
+
     Returns:
         None.
 
     Raises:
         AssertionError: some ranks differ from the group's first rank; the message names them
             (global ranks), the largest absolute difference of each, and the group.
-        ValueError, TypeError: see :func:`gather_across`.
+        ValueError: ``atol`` or ``rtol`` is not 0 for an integer or bool tensor; also see
+            :func:`gather_across`.
+        TypeError: see :func:`gather_across`.
     """
     __tracebackhide__ = True  # reports start at the test's line
-    parts = gather_across(mode, tensor)
+    parts = gather_across(mode, tensor)  # every rank reaches the checks below with the same dtype
+    exact = _is_exact(parts[0].dtype)
+    if exact and (atol or rtol):
+        raise ValueError(
+            f"assert_same_across compares {parts[0].dtype} tensors exactly, so atol={atol:g}, "
+            f"rtol={rtol:g} do not apply; leave them 0, or compare a floating copy "
+            "(tensor.double()) within a tolerance"
+        )
     ranks = gpc.get_ranks_in_group(mode)
     bad = []
+    largest: list[float | int] = []
     for rank, part in zip(ranks[1:], parts[1:], strict=True):
-        close, largest = _differences(parts[0], part, atol, rtol)
+        close, diff = _differences(parts[0], part, atol, rtol)
         if not close:
-            bad.append(f"rank {rank} (max |diff| {largest:.6g})")
+            bad.append(f"rank {rank} (max |diff| {_show(diff)})")
+            largest.append(diff)
     if bad:
-        worst = max(_differences(parts[0], p, atol, rtol)[1] for p in parts[1:])
+        how = f"compared exactly, {parts[0].dtype}" if exact else f"atol={atol:g}, rtol={rtol:g}"
         raise AssertionError(
-            f"{what} differs across the {_name(mode)} group {ranks}: max |diff| {worst:.6g} "
-            f"(atol={atol:g}, rtol={rtol:g}); compared with rank {ranks[0]}, these differ: {', '.join(bad)}"
+            f"{what} differs across the {_name(mode)} group {ranks}: max |diff| {_show(max(largest))} "
+            f"({how}); compared with rank {ranks[0]}, these differ: {', '.join(bad)}"
         )
 
 
@@ -104,6 +139,11 @@ def assert_differs_across(mode: ParallelMode | str, tensor: torch.Tensor, what: 
     """Assert that ``tensor`` differs between every two ranks of this rank's ``mode`` group:
     a tensor-parallel shard initialised from the TENSOR seed stream, a dropout mask on a shard.
     A group of one rank passes.
+
+    Two tensors differ when any element does: integer and bool tensors are compared exactly,
+    floating ones with NaNs in the same places counting as equal. Empty tensors are equal to each
+    other (:func:`assert_same_across`), so on a group of two or more ranks they fail, with a
+    message saying they are empty.
 
     Returns:
         None.
@@ -116,6 +156,11 @@ def assert_differs_across(mode: ParallelMode | str, tensor: torch.Tensor, what: 
     __tracebackhide__ = True
     parts = gather_across(mode, tensor)
     ranks = gpc.get_ranks_in_group(mode)
+    if len(ranks) > 1 and not parts[0].numel():
+        raise AssertionError(
+            f"{what} is empty (shape {list(parts[0].shape)}) on every rank of the {_name(mode)} group "
+            f"{ranks}: empty tensors hold no values, so they cannot differ; pass the values to compare"
+        )
     same: list[list[int]] = []
     placed: set[int] = set()
     for i, part in enumerate(parts):
