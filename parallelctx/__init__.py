@@ -6,6 +6,10 @@ the ``launch*`` functions or :func:`spawn`.
 The config, the layout maths and launcher detection import without torch (so ``parallelctx
 plan`` runs on a login node); ``gpc``, the launch functions, ``spawn`` and ``checkpoint`` load
 torch on first use (PEP 562 module attributes).
+
+PYTEST_DONT_REWRITE: the pytest plugin's rank processes import this package before their pytest
+session starts; the marker keeps pytest from warning (an error under ``filterwarnings = error``)
+that it cannot rewrite asserts here, and the package has none to rewrite.
 """
 
 from __future__ import annotations

@@ -1,15 +1,17 @@
 """The pytest plugin (entry point ``pytest11: parallelctx``): ``@pytest.mark.parallel`` runs a
 test on N ranks with ``gpc`` launched for a layout, on a pool of processes reused across tests.
 
-Unmarked tests run as usual. A marked test's fixtures are set up in the pytest process; its
-arguments (parametrize values and fixture values that pickle, e.g. ``tmp_path``) are sent to
-every rank of the pool for its world size, where the test function runs. See docs/testing.md.
+Unmarked tests run as usual. A marked test runs none of its fixtures in the pytest process (the
+controller): its node id goes to every rank of the pool for its world size, where a pytest
+session like the controller's runs the whole item (fixtures, markers, the test) in a process
+forked for this test alone (:mod:`parallelctx.testing.rank`). See docs/testing.md.
 """
 
 from __future__ import annotations
 
 import copy
-import pickle
+import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,29 +35,6 @@ DEFAULT_TIMEOUT_S = 180.0
 #: Seconds added to a parallel test's timeout for pytest-timeout, so that the plugin's own
 #: report (with every rank's stack) comes first.
 PYTEST_TIMEOUT_MARGIN_S = 60.0
-#: Fixtures whose value means nothing in another process.
-UNSUPPORTED_FIXTURES = frozenset(
-    {
-        "request",
-        "pytestconfig",
-        "monkeypatch",
-        "capsys",
-        "capsysbinary",
-        "capfd",
-        "capfdbinary",
-        "caplog",
-        "recwarn",
-        "tmp_path_factory",
-        "tmpdir_factory",
-        "record_property",
-        "record_xml_attribute",
-        "record_testsuite_property",
-        "doctest_namespace",
-        "pytester",
-        "testdir",
-        "subtests",
-    }
-)
 _ABBREV = {
     "world_size": "w",
     "tensor": "tp",
@@ -66,6 +45,7 @@ _ABBREV = {
     "data": "dp",
 }
 _POOLS = pytest.StashKey["PoolSet"]()
+_ON_RANK = pytest.StashKey[bool]()
 
 
 class MarkerError(ValueError):
@@ -202,9 +182,11 @@ def resolve_marker(
 class PoolSet:
     """The session's pools, one per world size, started on first use and replaced when broken."""
 
-    def __init__(self, devices: str, start_timeout: float) -> None:
+    def __init__(self, devices: str, start_timeout: float, session: dict[str, Any] | None = None) -> None:
         self.devices = devices
         self.start_timeout = start_timeout
+        #: What every rank's pytest session is made from (see :class:`~.pool.Pool`).
+        self.session: dict[str, Any] = session or {"args": [], "dir": os.getcwd(), "files": []}
         self.pools: dict[int, Any] = {}
         self.started = 0
 
@@ -221,7 +203,12 @@ class PoolSet:
             pool.kill()
             pool = None
         if pool is None:
-            pool = Pool(world_size, pick_devices(world_size, self.devices), self.start_timeout)
+            pool = Pool(
+                world_size,
+                pick_devices(world_size, self.devices),
+                self.start_timeout,
+                {**self.session, "sys_path": list(sys.path)},
+            )
             self.pools[world_size] = pool
             self.started += 1
         return pool
@@ -281,10 +268,18 @@ def pytest_configure(config: pytest.Config) -> None:
         "timeout=, "
         "layouts=): run the test on world_size ranks with parallelctx's gpc launched (docs/testing.md)",
     )
+    from .rank import RANK_PLUGIN_NAME
+
+    config.stash[_ON_RANK] = config.pluginmanager.has_plugin(RANK_PLUGIN_NAME)
     devices = str(config.getini("parallel_devices")).strip()
     if devices not in ("auto", "cpu"):
         raise pytest.UsageError(f"ini option parallel_devices={devices!r} must be 'auto' or 'cpu'")
-    config.stash[_POOLS] = PoolSet(devices, _ini_float(config, "parallel_start_timeout"))
+    session = {
+        "args": [str(a) for a in config.invocation_params.args],
+        "dir": str(config.invocation_params.dir),
+        "files": [],
+    }
+    config.stash[_POOLS] = PoolSet(devices, _ini_float(config, "parallel_start_timeout"), session)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -323,42 +318,41 @@ def _timeout_of(item: pytest.Item) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else default
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give marked tests a pytest-timeout limit above their own, so the plugin's report comes first."""
-    if not config.pluginmanager.hasplugin("timeout"):
+    """Give marked tests a pytest-timeout limit above their own, so the plugin's report comes
+    first. In the controller, a marked test runs no fixture (its ranks run them all), and the
+    files of marked tests are noted for the ranks' sessions to collect."""
+    marked = [item for item in items if item.get_closest_marker("parallel") is not None]
+    if config.pluginmanager.hasplugin("timeout"):
+        for item in marked:
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(_timeout_of(item) + PYTEST_TIMEOUT_MARGIN_S))
+    if config.stash.get(_ON_RANK, False):
         return
-    for item in items:
-        if item.get_closest_marker("parallel") is not None and item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(_timeout_of(item) + PYTEST_TIMEOUT_MARGIN_S))
+    for item in marked:
+        if isinstance(item, pytest.Function):
+            item.fixturenames = []
+    pools = config.stash.get(_POOLS, None)
+    if pools is not None:
+        files = set(pools.session["files"]) | {str(item.path) for item in marked}
+        pools.session["files"] = sorted(files)
 
 
-def _arguments(item: pytest.Function) -> dict[str, Any]:
-    names = list(item._fixtureinfo.argnames)  # parallel_layout only when the test asks for it
-    kwargs = {}
-    for name in names:
-        if name in UNSUPPORTED_FIXTURES:
-            raise MarkerError(
-                f"fixture {name!r} cannot reach the ranks of a parallel test (it belongs to the pytest "
-                "process); docs/testing.md lists the fixtures that work"
-            )
-        value = item.funcargs[name]
-        try:
-            pickle.dumps(value)
-        except Exception as exc:
-            raise MarkerError(
-                f"argument {name!r} of a parallel test does not pickle ({type(exc).__name__}: {exc}); "
-                "every rank "
-                "gets a pickled copy of each argument, so pass plain data"
-            ) from None
-        kwargs[name] = value
-    return kwargs
+def _test_folder(item: pytest.Function) -> Path:
+    """A new folder for this test, shared by all its ranks (their ``tmp_path``), made the way
+    pytest's own ``tmp_path`` is."""
+    name = re.sub(r"[\W]", "_", item.name)[:30]
+    factory: pytest.TempPathFactory = item.config._tmp_path_factory  # type: ignore[attr-defined]
+    return factory.mktemp(name, numbered=True)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    """Run a marked test on its pool instead of in this process; leave other tests alone."""
+    """Run a marked test on its pool instead of in this process; leave other tests alone (and
+    on a rank, run it here)."""
     marker = pyfuncitem.get_closest_marker("parallel")
-    if marker is None:
+    if marker is None or pyfuncitem.config.stash.get(_ON_RANK, False):
         return None
     from .report import raise_for
 
@@ -372,29 +366,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             Path(str(pyfuncitem.path)),
             _ini_float(pyfuncitem.config, "parallel_timeout"),
         )
-        kwargs = _arguments(pyfuncitem)
     except ValueError as exc:  # MarkerError, ConfigError and pydantic's ValidationError
         problem = str(exc)
     else:
         problem = ""
     if problem:
         pytest.fail(problem, pytrace=False)
-    qualname = pyfuncitem.originalname
-    if pyfuncitem.cls is not None:
-        qualname = f"{pyfuncitem.cls.__qualname__}.{qualname}"
-    spec = {
-        "nodeid": pyfuncitem.nodeid,
-        "module_name": pyfuncitem.module.__name__,
-        "module_file": str(pyfuncitem.module.__file__),
-        "qualname": qualname,
-        "kwargs": kwargs,
-        "config": config,
-        "sys_path": list(sys.path),
-        "cwd": str(Path.cwd()),
-        "verbose": pyfuncitem.config.get_verbosity(),
-        "tbstyle": pyfuncitem.config.getoption("tbstyle", "auto"),
-        "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
-    }
     pools: PoolSet = pyfuncitem.config.stash[_POOLS]
     from .pool import PoolError
 
@@ -405,13 +382,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         problem = f"could not start a pool of {world_size} ranks: {exc}"
     if problem:
         pytest.fail(problem, pytrace=False)
-    spec["port"] = pool.port
+    spec = {
+        "nodeid": pyfuncitem.nodeid,
+        "config": config,
+        "timeout": timeout,
+        "sys_path": list(sys.path),
+        "cwd": str(Path.cwd()),
+        "env": pool.environment(os.environ),
+        "tmp_path": str(_test_folder(pyfuncitem)),
+        "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
+    }
     try:
         outcome = pool.run(spec, timeout)
-    except PoolError:  # a worker died between tests: once more on a fresh pool
+    except PoolError:  # a rank process died between tests: once more on a fresh pool
         pools.discard(world_size)
         pool = pools.get(world_size)
-        spec["port"] = pool.port
         outcome = pool.run(spec, timeout)
     except BaseException:  # interrupted (Ctrl-C, pytest-timeout): the pool's state is unknown
         pools.discard(world_size)
@@ -424,7 +409,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def _add_output(item: pytest.Function, outcome: Any) -> None:
-    """Each rank's output as report sections (shown for failures), lines prefixed by the rank."""
+    """Each rank's output as report sections (shown for failures), lines prefixed by the rank:
+    what pytest captured on the rank (stdout, stderr, log, per phase), then what the rank wrote
+    outside pytest's capture (with ``-s`` it is printed after each test instead)."""
+    merged: dict[str, list[str]] = {}
+    for rank in sorted(outcome.results):
+        for title, text in outcome.results[rank].get("sections", []):
+            merged.setdefault(title, []).extend(f"[rank {rank}] {line}" for line in text.splitlines())
+    for title, lines in merged.items():
+        parts = title.split(" ")  # "Captured stdout call"
+        if len(parts) == 3 and parts[0] == "Captured":
+            item.add_report_section(parts[2], parts[1], "\n".join(lines) + "\n")
     for stream in ("stdout", "stderr"):
         texts = getattr(outcome, stream)
         lines = [f"[rank {rank}] {line}" for rank in sorted(texts) for line in texts[rank].splitlines()]

@@ -1,5 +1,6 @@
 """Turn a :class:`~parallelctx.testing.pool.RunOutcome` into pytest's verdict: pass, skip, xfail, or
-a failure whose report names the failing ranks and shows each distinct traceback once."""
+a failure whose headline is the root cause (the earliest rank that failed, skipped or died, not
+a peer's lost connection) and that shows each distinct traceback once."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from typing import Any, NoReturn
 import pytest
 from _pytest.outcomes import Failed
 
-from .pool import RunOutcome
+from .pool import FAILURE_GRACE_S, RunOutcome
 
-__all__ = ["RankFailure", "format_ranks", "raise_for"]
+__all__ = ["RankFailure", "build_report", "format_ranks", "raise_for", "root_cause"]
 
 
 class RankFailure(Failed):
@@ -65,35 +66,101 @@ def _first_line(text: str) -> str:
     return line if len(line) <= 200 else line[:197] + "..."
 
 
+_HARNESS_FRAME = re.compile(r'_pytest[/\\]python\.py", line \d+ in pytest_pyfunc_call')
+
+
 def _normalise_stack(text: str) -> str:
-    return re.sub(r"Thread 0x[0-9a-f]+", "Thread", text)
+    """Thread ids dropped (so equal stacks group), and each thread's frames cut below the test
+    function: pytest's, pluggy's and the pool's own frames say nothing about the hang."""
+    lines: list[str] = []
+    cutting = False
+    for line in re.sub(r"([Tt]hread) 0x[0-9a-f]+", r"\1", text).splitlines():
+        if not line.startswith("  "):
+            cutting = False  # the next thread's header
+        elif _HARNESS_FRAME.search(line):
+            cutting = True
+            lines.append("  (pytest's and the pool's frames below are cut)")
+        if not cutting:
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def root_cause(outcome: RunOutcome) -> tuple[str, int] | None:
+    """The event that started it all: the earliest rank that failed, skipped, called
+    ``pytest.xfail()`` or died. A failure that only says a peer's connection closed counts only
+    when nothing else happened.
+
+    Returns:
+        ``(kind, rank)`` with kind ``failed``, ``skipped``, ``xfailed`` or ``died``; None when no
+        rank did any of these (all passed, or some hung).
+    """
+    events: list[tuple[bool, float, int, str]] = []
+    for rank, res in outcome.results.items():
+        if res["outcome"] != "passed":
+            events.append((bool(res.get("peer_loss")), float(res.get("time", 0.0)), rank, res["outcome"]))
+    for rank in outcome.dead:
+        events.append((False, outcome.dead_at.get(rank, float("inf")), rank, "died"))
+    if not events:
+        return None
+    _, _, rank, kind = min(events)
+    return kind, rank
+
+
+def _others(outcome: RunOutcome, skip: set[int]) -> list[str]:
+    """One phrase per group of ranks (not in ``skip``) that failed, skipped or died."""
+    world = outcome.world_size
+    parts: list[str] = []
+    for kind, verb in (("failed", "failed"), ("skipped", "skipped"), ("xfailed", "called pytest.xfail()")):
+        texts = {
+            r: _first_line(res["message"])
+            for r, res in outcome.results.items()
+            if res["outcome"] == kind and r not in skip
+        }
+        for ranks, text in _group(texts):
+            parts.append(f"{format_ranks(ranks)} of {world} {verb}: {text}")
+    dead = {r: d for r, d in outcome.dead.items() if r not in skip}
+    if dead:
+        how = "; ".join(f"rank {r} {d}" for r, d in sorted(dead.items()))
+        parts.append(f"{format_ranks(list(dead))} of {world} died during the test ({how})")
+    return parts
 
 
 def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str:
-    """The failure text: one summary line, then each distinct traceback once with the ranks it
-    came from, how dead ranks ended, and the stacks of ranks that did not finish.
+    """The failure text: a headline with the root cause (:func:`root_cause`), then what the other
+    ranks did, each distinct traceback once with the ranks it came from (the root cause's
+    first), and the stacks of ranks that did not finish.
 
     Returns:
-        The report (empty when nothing failed).
+        The report (empty when the test did not fail: every rank passed, or the root cause is
+        a skip or an xfail).
     """
     world = outcome.world_size
+    cause = root_cause(outcome)
+    if cause is not None and cause[0] in ("skipped", "xfailed"):
+        return ""
+    if cause is None and not outcome.hung:
+        return ""
     failed = {r: res for r, res in outcome.results.items() if res["outcome"] == "failed"}
     passed = [r for r, res in outcome.results.items() if res["outcome"] == "passed"]
-    head: list[str] = []
     where = f" (layout {layout})" if layout else ""
-    if failed:
-        first = failed[min(failed)]
-        phase = {
-            "import": " importing the test module",
-            "launch": " launching gpc",
-            "teardown": " in gpc.destroy()",
-        }.get(first["phase"], "")
-        head.append(
-            f"{format_ranks(list(failed))} of {world} failed{phase}{where}: {_first_line(first['message'])}"
+    head: list[str] = []
+    lead: set[int] = set()
+    if cause is not None and cause[0] == "failed":
+        first = failed[cause[1]]
+        lead = {r for r, res in failed.items() if res["message"] == first["message"]}
+        phase = {"setup": " in setup (gpc launch or a fixture)", "teardown": " in teardown"}.get(
+            first["phase"], ""
         )
-    if outcome.dead:
-        how = "; ".join(f"rank {r} {d}" for r, d in sorted(outcome.dead.items()))
-        head.append(f"{format_ranks(list(outcome.dead))} of {world} died during the test ({how})")
+        head.append(
+            f"{format_ranks(list(lead))} of {world} failed{phase}{where}: {_first_line(first['message'])}"
+        )
+    elif cause is not None:  # died
+        lead = {cause[1]}
+        head.append(
+            f"rank {cause[1]} of {world} died during the test{where} (rank {cause[1]} {outcome.dead[cause[1]]})"
+        )
+    if lead:
+        head.extend(f"then {part}" for part in _others(outcome, lead))
     if outcome.hung:
         if outcome.timed_out:
             head.append(
@@ -102,17 +169,17 @@ def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str
             )
         else:
             head.append(
-                f"{format_ranks(outcome.hung)} of {world} were still running after the others failed "
-                "or died; each one's Python stack is below"
+                f"{format_ranks(outcome.hung)} of {world} were still running {FAILURE_GRACE_S:g} s after "
+                "that and were stopped; each one's Python stack is below"
             )
-    if not head:
-        return ""
     if passed:
         head.append(f"({format_ranks(passed)} passed)")
-    if outcome.dead or outcome.hung:
+    if outcome.broken:
         head.append("(the pool of processes was replaced; the next test runs on fresh ones)")
-    body = [" ".join(head[:1]), *head[1:]]
-    for ranks, text in _group({r: res["longrepr"] or res["message"] for r, res in failed.items()}):
+    body = list(head)
+    texts = {r: res["longrepr"] or res["message"] for r, res in failed.items()}
+    ordered = sorted(_group(texts), key=lambda group: not (set(group[0]) & lead))
+    for ranks, text in ordered:
         body.append("")
         body.append(f"{'_' * 20} {format_ranks(ranks)} {'_' * 20}")
         body.append(text.rstrip())
@@ -124,38 +191,56 @@ def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str
     return "\n".join(body)
 
 
+def _partial(outcome: RunOutcome, kind: str, rank: int) -> str:
+    """The reason of a skip or an xfail: the message alone when every rank gave the same one,
+    else which rank did it first and what the others did."""
+    world = outcome.world_size
+    message = outcome.results[rank]["message"]
+    same = [r for r, res in outcome.results.items() if res["outcome"] == kind and res["message"] == message]
+    if len(same) == world:
+        return message
+    verb = "skipped" if kind == "skipped" else "called pytest.xfail()"
+    text = f"{format_ranks(same)} of {world} {verb}: {message}"
+    others = _others(outcome, set(same))
+    if outcome.hung:
+        others.append(f"{format_ranks(outcome.hung)} stopped")
+    passed = [r for r, res in outcome.results.items() if res["outcome"] == "passed"]
+    if passed:
+        others.append(f"{format_ranks(passed)} passed")
+    return text + (f" (then {'; '.join(others)})" if others else "")
+
+
 def raise_for(outcome: RunOutcome, timeout: float, layout: str | None = None) -> None:
-    """Give pytest the test's verdict.
+    """Give pytest the test's verdict, decided by the root cause (:func:`root_cause`).
 
     Returns:
         None when every rank passed.
 
     Raises:
-        RankFailure: a rank failed, died or hung (see :func:`build_report`).
-        pytest.xfail.Exception: a rank called ``pytest.xfail()`` and none failed.
-        pytest.skip.Exception: a rank called ``pytest.skip()`` and none failed or xfailed.
+        RankFailure: the earliest event is a failure or a death, or ranks hung (see
+            :func:`build_report`).
+        pytest.skip.Exception: the earliest event is a ``pytest.skip()`` (on one rank or all;
+            the reason names the rank when not all skipped alike).
+        pytest.xfail.Exception: the earliest event is a ``pytest.xfail()``.
     """
     report = build_report(outcome, timeout, layout)
+    cause = root_cause(outcome)
     if report:
-        failed = [res for res in outcome.results.values() if res["outcome"] == "failed"]
-        cls = (
-            _failure_class({res["exc_type"] for res in failed})
-            if failed and not outcome.dead and not outcome.hung
-            else RankFailure
-        )
-        _raise(cls, report)
-    for kind in ("xfailed", "skipped"):
-        ranks = {r: res["message"] for r, res in outcome.results.items() if res["outcome"] == kind}
-        if ranks:
-            messages = _group(ranks)
-            text = (
-                messages[0][1]
-                if len(messages) == 1
-                else "; ".join(f"{format_ranks(rs)}: {m}" for rs, m in messages)
-            )
-            if kind == "xfailed":
-                pytest.xfail(text)
-            raise pytest.skip.Exception(text, _use_item_location=True)
+        lead = {
+            res["exc_type"]
+            for res in outcome.results.values()
+            if cause is not None
+            and cause[0] == "failed"
+            and res["outcome"] == "failed"
+            and res["message"] == outcome.results[cause[1]]["message"]
+        }
+        _raise(_failure_class(lead) if lead else RankFailure, report)
+    if cause is None:
+        return
+    kind, rank = cause
+    if kind == "xfailed":
+        pytest.xfail(_partial(outcome, kind, rank))
+    raise pytest.skip.Exception(_partial(outcome, kind, rank), _use_item_location=True)
 
 
 def _raise(cls: type[RankFailure], report: str) -> NoReturn:

@@ -1,266 +1,176 @@
 """One rank of a test pool: ``python -m parallelctx.testing.worker RANK WORLD CONTROL_PORT STACK_FILE``.
 
-The worker connects back to the controller (the pytest process) on 127.0.0.1:CONTROL_PORT,
-proves itself with the token in PARALLELCTX_POOL_TOKEN, then serves ``("run", spec)`` requests
-until ``("exit",)`` or until the controller goes away. For each request it imports the test
-module with pytest's assertion rewriting, launches ``gpc`` for the test's layout, calls the test
-function with the arguments the controller sent, tears ``gpc`` down and answers with a result
-dict. It never runs a pytest session. SIGUSR1 dumps the Python stack of every thread to
-STACK_FILE (faulthandler), which the controller reads when a test hangs.
+The process connects back to the controller (the pytest process) on 127.0.0.1:CONTROL_PORT and
+proves itself with the token in PARALLELCTX_POOL_TOKEN. The controller first sends
+``("session", spec)``: the process starts a pytest session like the controller's
+(:func:`parallelctx.testing.rank.start_session`) and collects the files that hold parallel
+tests, with torch and every test module imported but nothing initialised: no process group, no
+CUDA, no test run. For each ``("run", spec)`` it forks a child that runs the one test and exits,
+so every test starts from the same pristine process state whatever ran before; the parent only
+waits for the child and says how it ended. SIGUSR1 dumps the Python stacks of every thread to
+STACK_FILE (faulthandler, inherited by the children), which the controller reads when a test
+hangs.
+
+Messages on the control connection (the child writes on the parent's connection while the
+parent waits): child -> controller ``("started", pid)``, rank 0's child ``("port", port)``,
+controller -> children of other ranks ``("port", port)``, child ``("result", dict)``,
+controller -> children that passed ``("release",)`` once every rank answered, parent
+``("exited", how, time)``.
 """
 
 from __future__ import annotations
 
-import ast
 import faulthandler
-import importlib
-import importlib.util
 import os
+import select
 import signal
 import socket
 import sys
-import threading
 import time
-import types
+import traceback
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-__all__ = ["main", "run_test"]
+__all__ = ["main"]
 
-_LOADED: dict[str, tuple[str, int]] = {}
-#: Process groups of the last test, released only after its result is sent: closing gloo's
-#: connections takes a good part of 0.1 s on 8 ranks, and the controller need not wait for it.
-_RELEASE_LATER: list[Any] = []
+#: How often the parent checks that the controller is still there while it waits.
+_WATCH_S = 1.0
 
 
-def _hold_groups() -> None:
-    """Keep references to gpc's groups (and the default group) so that gpc.destroy() is quick and
-    their destructors run after the result has gone out."""
-    import torch.distributed as dist
-
-    from ..context import gpc
-
-    _RELEASE_LATER.extend(gpc._groups.values())
-    _RELEASE_LATER.extend(gpc._cpu_groups.values())
-    _RELEASE_LATER.extend(gpc._views.values())
-    _RELEASE_LATER.extend(gpc._device_meshes.values())
-    if dist.is_initialized():
-        _RELEASE_LATER.append(dist.group.WORLD)
-
-
-def _watch_parent(parent: int) -> None:
-    """Exit this process when the controller that started it is gone (a hung test cannot keep
-    an orphan alive)."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent:
-            os._exit(3)
-
-
-def _install_reprcompare(verbose: int) -> None:
-    """Give rewritten asserts pytest's detailed comparisons (diffs of lists, dicts, strings),
-    as a pytest session does; without it they still show the compared values."""
-    from _pytest.assertion import util
-
-    def reprcompare(op: str, left: object, right: object) -> str | None:
+def _describe_status(status: int) -> str:
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
         try:
-            lines = list(
-                util.assertrepr_compare(  # type: ignore[call-arg,unused-ignore]
-                    op=op,
-                    left=left,
-                    right=right,
-                    verbose=verbose,
-                    highlighter=util.dummy_highlighter,
-                    assertion_text_diff_style="ndiff",
-                )
-            )
-        except Exception:
-            return None
-        if not lines:
-            return None
-        if verbose < 2 and len(lines) > 40:
-            lines = lines[:40] + ["...", "(explanation cut; -vv shows it whole)"]
-        return "\n~".join(line.replace("\n", "\\n") for line in lines).replace("%", "%%")
-
-    util._reprcompare = reprcompare
+            return f"was killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"was killed by signal {sig}"
+    return f"exited with code {os.waitstatus_to_exitcode(status)}"
 
 
-def load_module(name: str, file: str) -> types.ModuleType:
-    """Import the test module ``name`` from ``file`` with its asserts rewritten by pytest.
-
-    The module is cached until the file changes; a different file under the same name (two test
-    directories with a ``test_x.py`` each) replaces it.
-
-    Returns:
-        The module.
-
-    Raises:
-        Whatever executing the module raises (SyntaxError, ImportError, ...).
-    """
-    from _pytest.assertion.rewrite import rewrite_asserts
-
-    key = (file, os.stat(file).st_mtime_ns)
-    existing = sys.modules.get(name)
-    if existing is not None and _LOADED.get(name) == key:
-        return existing
-    source = Path(file).read_bytes()
-    tree = ast.parse(source, filename=file)
-    rewrite_asserts(tree, source, file, None)
-    code = compile(tree, file, "exec", dont_inherit=True)
-    package = name.rpartition(".")[0]
-    if package:
-        try:
-            importlib.import_module(package)
-        except ImportError:
-            pass  # a rootdir-relative name whose parent is no real package
-    module = types.ModuleType(name)
-    module.__file__ = file
-    module.__package__ = package
-    module.__spec__ = importlib.util.spec_from_file_location(name, file)
-    sys.modules[name] = module
-    try:
-        exec(code, module.__dict__)
-    except BaseException:
-        sys.modules.pop(name, None)
-        _LOADED.pop(name, None)
-        raise
-    _LOADED[name] = key
-    return module
-
-
-def _resolve(module: types.ModuleType, qualname: str) -> Any:
-    """The test callable: a module function, or a method of a fresh instance of its class."""
-    parts = qualname.split(".")
-    obj: Any = module
-    for part in parts[:-1]:
-        obj = getattr(obj, part)
-    if isinstance(obj, type):
-        obj = obj()
-    return getattr(obj, parts[-1])
-
-
-def _exc_type(exc: BaseException) -> tuple[str, str]:
-    cls = type(exc)
-    return cls.__module__, cls.__qualname__
-
-
-def _format_failure(exc: BaseException, func: Any, tbstyle: str) -> str:
-    """The exception as pytest prints a failure for ``--tb=tbstyle``: source lines, ``>`` and
-    ``E`` lines, starting at the test function's frame (the worker's own frames are cut); with
-    ``auto`` the frames between the first and the last are one line each."""
-    import traceback as std_traceback
-
-    if tbstyle == "native":
-        return "".join(std_traceback.format_exception(exc))
-    from _pytest._code import ExceptionInfo
-    from _pytest._code.code import Traceback
-
-    try:
-        info = ExceptionInfo.from_exception(exc)
-        code = getattr(func, "__code__", None)
-        entries = list(info.traceback)
-        start = next((i for i, e in enumerate(entries) if e.frame.code.raw is code), 0)
-        cut = Traceback(entries[start:]).filter(info)  # also drops __tracebackhide__ frames
-        if tbstyle == "auto" and len(cut) > 2:
-            cut = Traceback((cut[0], *(e.with_repr_style("short") for e in cut[1:-1]), cut[-1]))
-        info.traceback = cut
-        style: Literal["long", "short"] = "long" if tbstyle in ("auto", "long") else "short"
-        return str(info.getrepr(style=style, funcargs=False, truncate_locals=True))
-    except Exception:
-        return "".join(std_traceback.format_exception(exc))
-
-
-def run_test(spec: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    """Run one test on this rank: launch gpc for ``spec['config']``, call the test, destroy gpc.
-
-    Returns:
-        A dict: ``outcome`` (passed, failed, skipped, xfailed), ``phase`` (where it ended:
-        import, launch, call, teardown), ``longrepr`` (the formatted failure), ``message``,
-        ``exc_type`` (module, qualname of the exception), ``duration`` and ``clean`` (False when
-        gpc could not be torn down, so the pool should not be reused).
-    """
-    from _pytest.outcomes import Skipped, XFailed
-
-    from ..context import gpc
-    from ..launch import launch
-
-    result: dict[str, Any] = {
-        "rank": rank,
-        "outcome": "passed",
-        "phase": "call",
-        "longrepr": "",
-        "message": "",
-        "exc_type": None,
-        "clean": True,
-    }
-    begin = time.perf_counter()
+def _apply_environment(spec: dict[str, Any]) -> None:
+    """This process's environment becomes the controller's at the test's call (plus the pool's
+    own settings); its folder and import path become the controller's."""
+    os.environ.clear()
+    os.environ.update(spec["env"])
     for entry in reversed(spec["sys_path"]):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     if os.getcwd() != spec["cwd"]:
         os.chdir(spec["cwd"])
-    _install_reprcompare(spec.get("verbose", 0))
-    func: Any = None
-    try:
-        result["phase"] = "import"
-        func = _resolve(load_module(spec["module_name"], spec["module_file"]), spec["qualname"])
-        result["phase"] = "launch"
-        mark = time.perf_counter()
-        # The default group connects on its first collective too (as the subgroups do with the
-        # config's dist.gloo_lazy_init): a test pays only for the connections it uses.
-        lazy = spec.get("lazy_default_group", False) and "TORCH_GLOO_LAZY_INIT" not in os.environ
-        if lazy:
-            os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-        try:
-            launch(
-                spec["config"],
-                rank=rank,
-                world_size=world_size,
-                host="127.0.0.1",
-                port=spec["port"],
-                local_rank=rank,
-                local_world_size=world_size,
-            )
-        finally:
-            if lazy:
-                os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
-        result["launch_s"] = time.perf_counter() - mark
-        result["phase"] = "call"
-        func(**spec["kwargs"])
-    except Skipped as exc:
-        result.update(outcome="skipped", message=exc.msg or "skipped")
-    except XFailed as exc:
-        result.update(outcome="xfailed", message=exc.msg or "xfail")
-    except BaseException as exc:
-        result.update(
-            outcome="failed",
-            message=f"{type(exc).__name__}: {exc}",
-            exc_type=_exc_type(exc),
-            longrepr=_format_failure(exc, func, spec.get("tbstyle", "auto")),
-        )
-    finally:
-        mark = time.perf_counter()
-        try:
-            _hold_groups()
-            gpc.destroy()
-        except BaseException as exc:
-            import traceback
 
-            result.update(
-                clean=False,
-                outcome="failed",
-                phase="teardown",
-                longrepr=result["longrepr"] + "\ngpc.destroy() failed:\n" + traceback.format_exc(),
-                message=result["message"] or f"{type(exc).__name__}: {exc}",
-            )
-        result["destroy_s"] = time.perf_counter() - mark
-        if result["phase"] != "call":
-            result["clean"] = False  # launch or import did not finish alike on every rank
+
+def _run_child(conn: Connection, spec: dict[str, Any], rank: int, world_size: int, state: Any) -> None:
+    """In the forked child: meet rank 0's store port, run the test's pytest protocol, answer."""
+    from .rank import serve_store
+
+    session, items, plugin = state
+    conn.send(("started", os.getpid()))
+    _apply_environment(spec)
+    store = None
+    if rank == 0:
+        store = serve_store(world_size, spec["timeout"] + 60.0)
+        port = int(store.port)
+        conn.send(("port", port))
+    else:
+        if not conn.poll(spec["timeout"]):
+            raise TimeoutError(f"rank {rank}: no rendezvous port from rank 0 within {spec['timeout']} s")
+        message = conn.recv()
+        port = int(message[1])
+    plugin.begin(spec, port)
+    item = items.get(spec["nodeid"])
+    if item is None:
+        errors = "\n".join(plugin.collect_errors) or "no collection error was reported"
+        result = {
+            "rank": rank,
+            "outcome": "failed",
+            "phase": "setup",
+            "message": f"rank {rank} could not collect {spec['nodeid']}",
+            "longrepr": f"rank {rank} could not collect {spec['nodeid']}:\n{errors}",
+            "exc_type": None,
+            "time": time.time(),
+            "peer_loss": False,
+            "sections": [],
+        }
+    else:
+        capman = session.config.pluginmanager.get_plugin("capturemanager")
+        if capman is not None and capman.is_globally_capturing():
+            capman.resume_global_capture()
+            capman.read_global_capture()  # drop what a killed child left in the capture files
+            capman.suspend_global_capture(in_=False)
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
+        result = plugin.result()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(("result", result))
+    # A rank that passed stays (with rank 0's store and its connections) until every rank has
+    # answered: it must not pull the store or a connection from under a slower one. A rank that
+    # failed or skipped leaves at once, so that its peers' collectives end.
+    if result["outcome"] == "passed" and conn.poll(spec["timeout"] + 10.0):
+        conn.recv()
+    del store
+
+
+def _wait_child(pid: int, controller: int) -> int:
+    """Wait for the child ``pid``; kill it and exit when the controller is gone.
+
+    Returns:
+        The child's wait status.
+    """
+    fd = os.pidfd_open(pid)
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], _WATCH_S)
+            if ready:
+                return os.waitpid(pid, 0)[1]
+            if os.getppid() != controller:
+                os.kill(pid, signal.SIGKILL)
+                os._exit(3)
+    finally:
+        os.close(fd)
+
+
+def _forget_gpc() -> None:
+    """A conftest may launch ``gpc`` when the session starts (a world of one, say): destroy it
+    here, so that this process stays without a process group and each test's child launches
+    its own."""
+    from ..context import ParallelMode, gpc
+
+    if gpc.is_initialized(ParallelMode.GLOBAL):
+        gpc.destroy()
+
+
+def _serve(conn: Connection, rank: int, world_size: int, state: Any, controller: int) -> int:
+    while True:
+        while not conn.poll(_WATCH_S):
+            if os.getppid() != controller:
+                return 1
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return 1
+        if message[0] == "exit":
+            return 0
+        if message[0] != "run":
+            continue  # a port or release meant for a child that has already ended
+        spec = message[1]
         sys.stdout.flush()
         sys.stderr.flush()
-    result["duration"] = time.perf_counter() - begin
-    return result
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _run_child(conn, spec, rank, world_size, state)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                try:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                finally:
+                    os._exit(code)
+        status = _wait_child(pid, controller)
+        conn.send(("exited", _describe_status(status), time.time()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,27 +190,39 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, control_port = int(args[0]), int(args[1]), int(args[2])
     stacks = open(args[3], "w")  # noqa: SIM115 - kept open for faulthandler for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    controller = os.getppid()
 
     import pytest  # noqa: F401 - warm imports before the first test
     import torch.distributed  # noqa: F401
 
     import parallelctx  # noqa: F401
 
+    from .rank import RankPlugin, collect, start_session
+
     sock = socket.create_connection(("127.0.0.1", control_port), timeout=60)
     sock.settimeout(None)
     conn = Connection(sock.detach())
     conn.send(("hello", os.environ.get("PARALLELCTX_POOL_TOKEN", ""), rank, os.getpid()))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return 1
-        if message[0] == "exit":
-            return 0
-        if message[0] == "run":
-            conn.send(("result", run_test(message[1], rank, world_size)))
-            _RELEASE_LATER.clear()
+    try:
+        message = conn.recv()
+    except (EOFError, OSError):
+        return 1
+    if message[0] != "session":
+        return 1
+    setup = message[1]
+    for entry in reversed(setup["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    plugin = RankPlugin(rank, world_size)
+    try:
+        session = start_session(setup["args"], setup["dir"], setup["basetemp"], plugin)
+        items = collect(session, setup["files"], plugin)
+        _forget_gpc()
+    except BaseException:
+        conn.send(("ready", {"error": traceback.format_exc()}))
+        return 1
+    conn.send(("ready", {"error": "", "collected": len(items)}))
+    return _serve(conn, rank, world_size, (session, items, plugin), controller)
 
 
 if __name__ == "__main__":
