@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import abort as _abort
 from . import startup
 from .config import DEFAULT_TIMEOUT, Config, load_config
 from .groups import ModeGroup
@@ -126,6 +127,11 @@ class ParallelContext:
         self._device = torch.device("cpu")
         self._device_meshes: dict[str, Any] = {}
         self._destroy_hooks: list[Callable[[], None]] = []
+        # For abort(): the launch's store (under its agreed prefix), this process's TCP listeners
+        # before the groups were made, and the gloo listeners the launch added.
+        self._launch_kv: Any = None
+        self._listen_before: frozenset[int] | None = None
+        self._listeners: list[_abort.Endpoint] = []
         for name in VIEW_NAMES.values():
             setattr(self, name, Unlaunched(name))
 
@@ -242,6 +248,7 @@ class ParallelContext:
             self._meetings, rank, world_size, backend, host, port, timeout, init_method, arrival
         )
         self._owns_default_group = made.owned
+        self._launch_kv, self._listen_before = made.store, made.listening
         self._hostnames = made.hostnames or self._hostnames
         self._global_rank = rank
         self._world_size = world_size
@@ -368,6 +375,51 @@ class ParallelContext:
             raise TypeError(f"add_destroy_hook takes a function of no arguments, not {hook!r}")
         if hook not in self._destroy_hooks:
             self._destroy_hooks.append(hook)
+
+    def _post_listeners(self) -> None:
+        """Note the gloo listeners this launch added and post them on the launch's store, where
+        :meth:`abort` on the other ranks finds them (one store write, no wait)."""
+        if self._listen_before is None or self._world_size < 2:
+            return
+        self._listeners = _abort.new_listeners(self._listen_before)
+        if self._launch_kv is not None:
+            _abort.post_listeners(self._launch_kv, self._global_rank, self._listeners)
+
+    def abort(self, timeout: float = 2.0) -> int:
+        """Abort every process group this context made, from any thread (a watchdog), without
+        waiting on a collective that hangs: NCCL groups through ``ProcessGroup.abort()``, gloo
+        groups (which do not implement it) by shutting down their TCP connections
+        (:mod:`parallelctx.abort`). A collective pending in another thread then raises a
+        ``RuntimeError`` from torch within milliseconds, and so do the peers' collectives on the
+        other end of those connections. Then call :meth:`destroy` (in the thread that ran the
+        collective) and launch again: the relaunch meets under a new key prefix, with the same
+        processes or with some of them replaced.
+
+        ``timeout`` (seconds) bounds the read of the other ranks' gloo listeners from the
+        launch's store; when it does not answer in time, only this rank's listeners are used.
+        Before launch or after :meth:`destroy` it finds nothing to do; a second call is harmless.
+
+        Returns:
+            The number of gloo connections shut down.
+
+        Raises:
+            Nothing: a group that fails to abort is logged and the others are still aborted.
+        """
+        groups = [*self._groups.values(), *self._cpu_groups.values()]
+        if not any(g is not None for g in groups):
+            return 0
+        _abort.abort_groups(groups, self._owns_default_group)
+        peers: list[_abort.Endpoint] | None = []
+        if self._launch_kv is not None:
+            peers = _abort.read_listeners(self._launch_kv, self._global_rank, self._world_size, timeout)
+        if peers is None:
+            logger.warning(
+                "parallelctx: abort could not read the other ranks' gloo listeners from the launch's "
+                "store (no answer within %g s, or a store that cannot be cloned); only the "
+                "connections to this rank's listeners are shut down",
+                timeout,
+            )
+        return _abort.shut_down([*self._listeners, *(peers or [])])
 
     def destroy(self) -> None:
         """Run the destroy hooks (:meth:`add_destroy_hook`), tear down every group parallelctx

@@ -25,11 +25,16 @@ Not covered, refused or left as Megatron leaves them by default: see docs/migrat
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
+import math
+import operator
 import re
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,6 +47,7 @@ from .layout import Layout, ParallelMode
 try:
     import megatron.core as _mcore
     from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import random as _mrandom
 except ImportError as _exc:  # pragma: no cover - the message is the point
     raise ImportError(
@@ -50,6 +56,7 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
     ) from _exc
 
 __all__ = [
+    "COLLECTION_FIELDS",
     "RNG_STREAMS",
     "SUPPORTED_VERSION",
     "GpcRNGTracker",
@@ -57,6 +64,7 @@ __all__ = [
     "check_megatron_version",
     "install",
     "is_installed",
+    "process_groups",
     "sources",
     "uninstall",
 ]
@@ -138,6 +146,7 @@ _PRISTINE: dict[str, Callable[[], Any]] = {
 _STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
 # What the bridge swaps in megatron.core.tensor_parallel.random.
 _RANDOM_NAMES = (
+    "CudaRNGStatesTracker",
     "_CUDA_RNG_STATE_TRACKER",
     "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
     "_get_all_rng_states",
@@ -145,6 +154,15 @@ _RANDOM_NAMES = (
     "_MODEL_PARALLEL_RNG_TRACKER_NAME",
     "_EXPERT_PARALLEL_RNG_TRACKER_NAME",
     "_DATA_PARALLEL_RNG_TRACKER_NAME",
+)
+
+# The gloo groups create_gloo_process_groups=False leaves unset.
+_GLOO_GLOBALS = (
+    "_DATA_PARALLEL_GROUP_GLOO",
+    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
 )
 
 # Groups gpc has no mode for: Megatron's rank-generator token -> dense axes and group_desc.
@@ -172,12 +190,23 @@ def check_megatron_version() -> None:
     )
     known = set(_PRISTINE)
     missing_random = [name for name in _RANDOM_NAMES if not hasattr(_mrandom, name)]
+    fix = f"install the supported version: pip install 'parallelctx[megatron]' (megatron-core=={SUPPORTED_VERSION})"
     if found != known or missing_random:
         raise MegatronVersionError(
             f"megatron-core {_mcore.__version__} keeps other parallel_state globals than {SUPPORTED_VERSION}: "
-            f"new {sorted(found - known)}, missing {sorted(known - found) + missing_random}; "
-            f"install the supported version: pip install 'parallelctx[megatron]' (megatron-core=={SUPPORTED_VERSION})"
+            f"new {sorted(found - known)}, missing {sorted(known - found) + missing_random}; {fix}"
         )
+    options = set(inspect.signature(ps.initialize_model_parallel).parameters)
+    fields = {f.name for f in dataclasses.fields(ProcessGroupCollection)}
+    for what, theirs, mine in (
+        ("initialize_model_parallel options", options, set(_MEGATRON_OPTIONS)),
+        ("ProcessGroupCollection fields", fields, set(COLLECTION_FIELDS)),
+    ):
+        if theirs != mine:
+            raise MegatronVersionError(
+                f"megatron-core {_mcore.__version__} has other {what} than {SUPPORTED_VERSION}: "
+                f"new {sorted(theirs - mine)}, missing {sorted(mine - theirs)}; {fix}"
+            )
     if _mcore.__version__ != SUPPORTED_VERSION:
         logger.warning(
             "parallelctx.megatron is tested with megatron-core %s, found %s (same parallel_state globals)",
@@ -186,24 +215,35 @@ def check_megatron_version() -> None:
         )
 
 
-check_megatron_version()
-
-
 # --------------------------------------------------------------------------- RNG tracker
 class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
     """Megatron's RNG tracker interface on gpc's per-mode streams (CPU and CUDA generators).
 
-    ``fork(name)`` enters the gpc stream :data:`RNG_STREAMS` maps ``name`` to (default:
-    ``"model-parallel-rng"``, the TENSOR stream). ``add("data-parallel-rng", seed)``, which
-    Megatron's ``model_parallel_cuda_manual_seed(seed)`` calls first, re-seeds every gpc stream
-    with ``gpc.set_seed(seed)``; the other two names are then already there. ``get_states`` /
-    ``set_states`` save and restore every gpc stream (what ``tensor_parallel.checkpoint`` and
-    checkpoint code use).
+    ``fork(name)`` is ``gpc.seed(mode)`` for the stream :data:`RNG_STREAMS` maps ``name`` to
+    (default ``"model-parallel-rng"``, the TENSOR stream): one stream, whichever way it is
+    entered. ``add(name, seed)`` restarts that stream from ``seed``, so Megatron's
+    ``model_parallel_cuda_manual_seed(seed)`` gives the three streams Megatron's seeds.
+    ``get_states`` / ``set_states`` save and restore every gpc stream (what
+    ``tensor_parallel.checkpoint`` and checkpoint code use). All state lives in gpc, so every
+    instance is the same tracker: while installed, Megatron's ``initialize_rng_tracker(
+    force_reset=True)`` makes a new one of this class (see :func:`install`).
     """
 
-    def __init__(self) -> None:  # the base class's state lives in gpc here
+    def __init__(self, use_cudagraphable_rng: bool = False, is_inference_rng_tracker: bool = False) -> None:
+        """Take Megatron's tracker arguments (the base class's state lives in gpc here).
+
+        Raises:
+            ValueError: ``use_cudagraphable_rng=True`` (CUDA-graph-safe generator states are not
+                supported on gpc's streams).
+        """
+        if use_cudagraphable_rng:
+            raise ValueError(
+                "use_cudagraphable_rng=True is not supported by parallelctx.megatron: gpc's RNG streams "
+                "swap ordinary generator states, which CUDA graphs cannot capture; drop the option "
+                "(or parallelctx.megatron.uninstall() to use Megatron's own tracker)"
+            )
         self.use_cudagraphable_rng = False
-        self.is_inference_rng_tracker = False
+        self.is_inference_rng_tracker = is_inference_rng_tracker
 
     @staticmethod
     def _mode(name: str) -> ParallelMode:
@@ -220,7 +260,7 @@ class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
         return gpc._streams is not None
 
     def reset(self) -> None:
-        """Nothing to forget: the streams belong to gpc (``gpc.set_seed`` re-seeds them)."""
+        """Nothing to forget: the streams belong to gpc (:meth:`add` restarts one)."""
 
     @property
     def states_(self) -> dict[str, Any]:  # read by megatron's get_all_rng_states()
@@ -252,14 +292,23 @@ class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
         gpc.rng_streams.restore(states[_STATES_KEY])
 
     def add(self, name: str, seed: int) -> None:
-        """Register ``name``: for ``"data-parallel-rng"`` re-seed every gpc stream from ``seed``
-        (``gpc.set_seed(seed)``); the other names of :data:`RNG_STREAMS` exist already.
+        """Restart the gpc stream ``name`` maps to from ``seed``: it then draws what a
+        ``torch.Generator`` seeded with ``seed`` draws (CPU, and CUDA where gpc uses CUDA), and
+        ``gpc.get_seed(mode)`` answers ``seed``. The other streams keep their state.
 
         Raises:
-            ValueError: ``name`` is not in :data:`RNG_STREAMS`, or ``seed`` is outside ``[0, 2**32)``.
+            ValueError: ``name`` is not in :data:`RNG_STREAMS`, or ``seed`` is not an integer in
+                ``[0, 2**64)``.
+            NotLaunchedError: gpc has no streams.
         """
-        if self._mode(name) is RNG_STREAMS["data-parallel-rng"]:
-            gpc.set_seed(int(seed))
+        mode = self._mode(name)
+        try:
+            value = operator.index(seed)  # Python and numpy integers
+        except TypeError:
+            value = -1
+        if isinstance(seed, bool) or not 0 <= value < 2**64:
+            raise ValueError(f"RNG tracker seed {seed!r} for {name!r} must be an integer in [0, 2**64)")
+        gpc.rng_streams.reseed(mode, value)
 
     def fork(self, name: str = "model-parallel-rng") -> AbstractContextManager[None]:
         """Return ``gpc.seed(mode)`` for the stream ``name`` maps to (CPU and CUDA generators).
@@ -356,47 +405,312 @@ class _Maker:
         return mine
 
 
-def _extra_groups(layout: Layout, rank: int, maker: _Maker) -> dict[str, tuple[list[int], Any]]:
-    """The groups gpc has no mode for, keyed by Megatron's token, plus ``"pos"``: the
-    position-embedding group (this rank alone, on the first pipeline stage only; None elsewhere)."""
+@dataclass(frozen=True)
+class _Options:
+    """The options of Megatron's ``initialize_model_parallel`` that change the installed state."""
+
+    virtual: int | None = None
+    all_gather: bool = False
+    hierarchical_cp: tuple[int, ...] = ()
+    hybrid_cp: bool = False
+    gloo: bool = True
+
+
+# initialize_model_parallel's keyword options in megatron-core 0.16.1 (checked at import).
+_MEGATRON_OPTIONS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "pipeline_model_parallel_comm_backend",
+    "use_sharp",
+    "context_parallel_size",
+    "hierarchical_context_parallel_sizes",
+    "hybrid_context_parallel",
+    "expert_model_parallel_size",
+    "num_distributed_optimizer_instances",
+    "expert_tensor_parallel_size",
+    "nccl_communicator_config_path",
+    "distributed_timeout_minutes",
+    "order",
+    "get_embedding_ranks",
+    "get_position_embedding_ranks",
+    "create_gloo_process_groups",
+    "high_priority_stream_groups",
+    "sharp_enabled_group",
+    "create_all_gather_group",
+)
+
+# Options that only exist to set NCCL communicator properties at group creation: gpc's groups
+# are made at launch, so only Megatron's default is accepted.
+_REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
+    "use_sharp": (
+        False,
+        "SHARP must be enabled (NCCL_COLLNET_ENABLE) when the data-parallel communicator is created, "
+        "and gpc's groups are made at launch",
+    ),
+    "sharp_enabled_group": (None, "it only applies with use_sharp=True, which is not supported"),
+    "nccl_communicator_config_path": (
+        None,
+        "per-group NCCL communicator options (min_ctas, max_ctas, cga_cluster_size) must be given when "
+        "a group is created, and gpc's groups are made at launch with the default options",
+    ),
+    "high_priority_stream_groups": (
+        None,
+        "NCCL stream priority is a communicator option set when a group is created, and gpc's groups "
+        "are made at launch with the default options",
+    ),
+}
+
+
+def _option_error(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"install({name}={value!r}) is not supported: {why}")
+
+
+def _check_same(name: str, value: Any, mine: Any, key: str) -> None:
+    if value != mine:
+        raise ValueError(
+            f"install({name}={value!r}) differs from gpc's {key}={mine!r}: the groups come from gpc's "
+            f"launch; set {key} in the config, or drop {name}"
+        )
+
+
+def _parse_options(layout: Layout, options: dict[str, Any]) -> _Options:
+    """Validate ``install``'s keyword options against gpc's launch (docs/migration.md's table).
+
+    Raises:
+        TypeError: an option ``initialize_model_parallel`` does not have.
+        ValueError: an option refused, or one that contradicts gpc's layout; the message names
+            it and says why.
+    """
+    unknown = sorted(set(options) - set(_MEGATRON_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"install() got unknown options {unknown}; it takes the keyword options of Megatron's "
+            f"initialize_model_parallel: {', '.join(_MEGATRON_OPTIONS)}"
+        )
+    get = options.get
+    sizes = {
+        "tensor_model_parallel_size": (layout.tensor, "parallel.tensor"),
+        "pipeline_model_parallel_size": (layout.pipeline, "parallel.pipeline"),
+        "context_parallel_size": (layout.context, "parallel.context"),
+        "expert_model_parallel_size": (layout.expert, "parallel.expert.size"),
+    }
+    for name, (mine, key) in sizes.items():
+        if name in options:
+            _check_same(name, options[name], mine, key)
+    if "expert_tensor_parallel_size" in options:
+        etp = options["expert_tensor_parallel_size"]
+        _check_same(
+            "expert_tensor_parallel_size",
+            layout.tensor if etp is None else etp,
+            layout.expert_tensor,
+            "parallel.expert.tensor",
+        )
+    if "order" in options:
+        order = options["order"]
+        try:
+            theirs = Layout(
+                layout.world_size,
+                layout.tensor,
+                layout.pipeline,
+                layout.context,
+                layout.expert,
+                layout.expert_tensor,
+                order,
+            ).to_dict()
+        except ValueError as exc:
+            raise ValueError(
+                f"install(order={order!r}) is not a valid order for gpc's sizes: {exc}"
+            ) from None
+        if theirs != layout.to_dict():
+            raise ValueError(
+                f"install(order={order!r}) gives other groups than gpc's parallel.order={layout.order!r}; "
+                "set parallel.order in the config, or drop order"
+            )
+    if "distributed_timeout_minutes" in options:
+        minutes = options["distributed_timeout_minutes"]
+        timeout = gpc.config.dist.timeout
+        if minutes is None or timedelta(minutes=minutes) != timeout:
+            raise ValueError(
+                f"install(distributed_timeout_minutes={minutes!r}) differs from gpc's dist.timeout={timeout}: "
+                "the groups use gpc's timeout; set dist.timeout in the config, or drop the option"
+            )
+    backend = get("pipeline_model_parallel_comm_backend")
+    if backend is not None and backend != str(dist.get_backend()):
+        raise _option_error(
+            "pipeline_model_parallel_comm_backend",
+            backend,
+            f"the pipeline groups are gpc's, on its backend {dist.get_backend()!r}; a separate backend "
+            "for pipeline communication (e.g. 'ucc') needs groups parallelctx does not make",
+        )
+    for name, (default, why) in _REFUSED_UNLESS_DEFAULT.items():
+        value = get(name, default)
+        if value != default and not (name == "high_priority_stream_groups" and value == []):
+            raise _option_error(name, value, why)
+    instances = get("num_distributed_optimizer_instances", 1)
+    if instances != 1:
+        raise _option_error(
+            "num_distributed_optimizer_instances",
+            instances,
+            "several distributed-optimizer instances need the data axis split into replicate x shard "
+            "groups, which gpc does not make yet; use 1 (one instance spanning the data-parallel ranks)",
+        )
+    for name in ("get_embedding_ranks", "get_position_embedding_ranks"):
+        fn = get(name)
+        if fn is None:
+            continue
+        default = (
+            ps.default_embedding_ranks
+            if name == "get_embedding_ranks"
+            else ps.default_position_embedding_ranks
+        )
+        pipes = layout.groups(ParallelMode.PIPELINE)
+        if any(list(fn(pipe)) != list(default(pipe)) for pipe in pipes):
+            raise _option_error(
+                name,
+                fn,
+                "it picks other ranks than Megatron's default for some pipeline; custom embedding "
+                "groups would need groups that span pipeline stages, which gpc makes only at launch "
+                "(its EMBEDDING group holds the first and last stage)",
+            )
+    virtual = get("virtual_pipeline_model_parallel_size")
+    if virtual is not None:
+        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={virtual!r} must be a positive integer or None"
+            )
+        if layout.pipeline < 2:
+            raise ValueError(
+                f"virtual_pipeline_model_parallel_size={virtual} needs a pipeline of size > 1, but "
+                f"parallel.pipeline is {layout.pipeline}; drop it or configure a pipeline"
+            )
+    hierarchical = tuple(get("hierarchical_context_parallel_sizes") or ())
+    if hierarchical:
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in hierarchical):
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={list(hierarchical)!r} must be positive integers"
+            )
+        if math.prod(hierarchical) != layout.context:
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes={list(hierarchical)!r} multiply to "
+                f"{math.prod(hierarchical)}, not to parallel.context={layout.context}; give sizes whose "
+                "product is the context size"
+            )
+    hybrid = bool(get("hybrid_context_parallel", False))
+    dp_cp = layout.data * layout.context
+    if hybrid and dp_cp % 2:
+        raise ValueError(
+            f"hybrid_context_parallel=True needs an even number of data x context ranks, not {dp_cp}; "
+            "change parallel.context or the world size, or drop the option"
+        )
+    return _Options(
+        virtual=virtual,
+        all_gather=bool(get("create_all_gather_group", False)),
+        hierarchical_cp=hierarchical,
+        hybrid_cp=hybrid,
+        gloo=bool(get("create_gloo_process_groups", True)),
+    )
+
+
+def _hierarchical_rows(ranks: Sequence[int], sizes: Sequence[int], level: int) -> list[list[int]]:
+    """Megatron's hierarchical sub-groups of ``ranks`` at ``level``: with ``u`` the product of
+    the sizes below it, members ``u`` apart, ``sizes[level]`` of them (as ``[2, 2, 4]`` over 16
+    ranks gives [0,1].., [0,2].., [0,4,8,12]..)."""
+    inner = math.prod(sizes[:level])
+    size = sizes[level]
+    outer = math.prod(sizes[level + 1 :])
+    return [
+        [ranks[o * size * inner + k * inner + u] for k in range(size)]
+        for o in range(outer)
+        for u in range(inner)
+    ]
+
+
+def _hybrid_rows(ranks: Sequence[int]) -> dict[int, list[list[int]]]:
+    """Megatron's hybrid data x context groups of ``ranks``: for every power of two from 2 up
+    to half the ranks, consecutive chunks of that size."""
+    sizes = [2**i for i in range(int(math.log2(len(ranks))))][1:]
+    return {n: [list(ranks[i : i + n]) for i in range(0, len(ranks), n)] for n in sizes}
+
+
+def _extra_groups(layout: Layout, rank: int, maker: _Maker, opts: _Options) -> dict[str, Any]:
+    """The groups gpc has no mode for, keyed by Megatron's token ``(members, group)``, plus
+    ``"pos"``: the position-embedding group (this rank alone, on the first pipeline stage only;
+    None elsewhere); with the options, ``"ag"`` (a separate data x context group), ``"hcp"`` (the
+    hierarchical context groups) and ``"hybrid"`` (``{size: group}``)."""
     existing = _existing_groups()
-    out: dict[str, tuple[list[int], Any]] = {}
+    out: dict[str, Any] = {}
+
+    def kind(members: list[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
+        key = tuple(members)
+        if key not in existing:
+            existing[key] = (maker.make(members, every, desc), None)
+        return existing[key][0]
+
+    def rows_of(axes: tuple[str, ...]) -> Callable[[], Iterator[list[int]]]:
+        def every() -> Iterator[list[int]]:
+            seen = set()
+            for r in range(layout.world_size):
+                row = tuple(_members(layout, r, axes))
+                if row not in seen:
+                    seen.add(row)
+                    yield list(row)
+
+        return every
+
     for token, (axes, desc) in _EXTRA_GROUPS.items():
         members = _members(layout, rank, axes)
-        if tuple(members) not in existing:
-
-            def every(axes: tuple[str, ...] = axes) -> Iterator[list[int]]:
-                seen = set()
-                for r in range(layout.world_size):
-                    row = tuple(_members(layout, r, axes))
-                    if row not in seen:
-                        seen.add(row)
-                        yield list(row)
-
-            existing[tuple(members)] = (maker.make(members, every, desc), None)
-        out[token] = (members, existing[tuple(members)][0])
+        out[token] = (members, kind(members, rows_of(axes), desc))
     # Position embedding: the first stage of each pipeline, alone. When gpc has no one-rank
     # group (no mode of size 1), every rank makes its own, so group counts stay equal across
     # stages (later locally synchronized groups are named by that count).
-    alone = (rank,)
-    if alone not in existing:
+    alone = [rank]
 
-        def firsts() -> Iterator[list[int]]:
-            for pipe in layout.groups(ParallelMode.PIPELINE):
-                yield [pipe[0]]
+    def firsts() -> Iterator[list[int]]:
+        for pipe in layout.groups(ParallelMode.PIPELINE):
+            yield [pipe[0]]
 
-        existing[alone] = (maker.make(alone, firsts, "megatron_position_embedding"), None)
+    group = kind(alone, firsts, "megatron_position_embedding")
     first = gpc.get_local_rank(ParallelMode.PIPELINE) == 0
-    out["pos"] = ([rank], existing[alone][0]) if first else ([], None)
+    out["pos"] = (alone, group) if first else ([], None)
+    if opts.all_gather:  # a communicator of its own, never an existing group
+
+        def dp_cps() -> Iterator[list[int]]:
+            yield from layout.groups(ParallelMode.DATA_CONTEXT)
+
+        members = gpc.get_ranks_in_group(ParallelMode.DATA_CONTEXT)
+        out["ag"] = maker.make(members, dp_cps, "megatron_data_context_all_gather")
+    if opts.hierarchical_cp:
+        levels = []
+        for level in range(len(opts.hierarchical_cp)):
+
+            def every(level: int = level) -> Iterator[list[int]]:
+                for cp in layout.groups(ParallelMode.CONTEXT):
+                    yield from _hierarchical_rows(cp, opts.hierarchical_cp, level)
+
+            rows = _hierarchical_rows(
+                gpc.get_ranks_in_group(ParallelMode.CONTEXT), opts.hierarchical_cp, level
+            )
+            members = next(row for row in rows if rank in row)
+            levels.append(kind(members, every, f"megatron_hierarchical_context_L{level}"))
+        out["hcp"] = levels
+    if opts.hybrid_cp:
+        hybrid = {}
+        for size, rows in _hybrid_rows(gpc.get_ranks_in_group(ParallelMode.DATA_CONTEXT)).items():
+
+            def chunks(size: int = size) -> Iterator[list[int]]:
+                for dp_cp in layout.groups(ParallelMode.DATA_CONTEXT):
+                    yield from _hybrid_rows(dp_cp)[size]
+
+            members = next(row for row in rows if rank in row)
+            hybrid[size] = kind(members, chunks, f"megatron_hybrid_data_context_{size}")
+        out["hybrid"] = hybrid
     return out
 
 
-def _values(
-    layout: Layout, rank: int, extra: dict[str, tuple[list[int], Any]], virtual: int | None
-) -> dict[str, Any]:
+def _values(layout: Layout, rank: int, extra: dict[str, Any], opts: _Options) -> dict[str, Any]:
     """Every parallel_state global's value after install, as initialize_model_parallel sets it
-    (num_distributed_optimizer_instances=1, no all-gather group, no hierarchical or hybrid
-    context parallelism, default embedding ranks)."""
+    with ``opts`` (num_distributed_optimizer_instances=1, default embedding ranks)."""
     M = ParallelMode
 
     def group(mode: ParallelMode) -> Any:
@@ -448,45 +762,80 @@ def _values(
     if extra["pos"][1] is not None:
         v["_POSITION_EMBEDDING_GROUP"] = extra["pos"][1]
         v["_POSITION_EMBEDDING_GLOBAL_RANKS"] = extra["pos"][0]
-    if virtual is not None:
+    if opts.virtual is not None:
         v["_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK"] = 0
-        v["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = virtual
+        v["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = opts.virtual
+    if opts.all_gather:
+        v["_DATA_PARALLEL_GROUP_WITH_CP_AG"] = extra["ag"]
+    if opts.hierarchical_cp:
+        v["_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"] = extra["hcp"]
+    if opts.hybrid_cp:
+        v["_HYBRID_DP_CP_GROUPS"] = dict(extra["hybrid"])
+    if not opts.gloo:
+        for name in _GLOO_GLOBALS:
+            v[name] = None
     # What update_pg_timeout walks: None (the default group), then every group of this rank.
     listed: list[Any] = [None]
     for name in sorted(v):
         value = v[name]
-        if isinstance(value, dist.ProcessGroup) and all(value is not g for g in listed):
-            listed.append(value)
+        values = (
+            value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else [value]
+        )
+        for group in values:
+            if isinstance(group, dist.ProcessGroup) and all(group is not g for g in listed):
+                listed.append(group)
     v["_global_process_group_list"] = listed
     return v
 
 
-def install(virtual_pipeline_model_parallel_size: int | None = None) -> int:
+def _require_launched(what: str) -> Layout:
+    if gpc._layout is None or gpc._streams is None:
+        raise NotLaunchedError(
+            f"parallelctx.megatron.{what} needs a launched gpc: call parallelctx.launch_from_torch(config) "
+            "(or launch, launch_from_env, spawn) first"
+        )
+    return gpc._layout
+
+
+def _build(layout: Layout, opts: _Options) -> tuple[_Installed, dict[str, Any]]:
+    """Make the groups gpc lacks for ``opts`` and return them with every global's value."""
+    rank = gpc.get_global_rank()
+    state = _Installed()
+    try:
+        extra = _extra_groups(layout, rank, _Maker(layout, rank, state), opts)
+        return state, _values(layout, rank, extra, opts)
+    except BaseException:
+        _destroy_groups(state.created)
+        raise
+
+
+def install(virtual_pipeline_model_parallel_size: int | None = None, **options: Any) -> int:
     """Make ``megatron.core.parallel_state`` answer from gpc's groups, as Megatron's own
     ``initialize_model_parallel`` would for gpc's sizes and order, and put Megatron's RNG tracker
     on gpc's streams. Every rank must call it, after launch, before creating other groups.
 
-    ``virtual_pipeline_model_parallel_size`` is Megatron's argument of the same name
-    (interleaved pipeline): the virtual rank starts at 0, as Megatron's does.
+    ``virtual_pipeline_model_parallel_size`` and ``options`` are ``initialize_model_parallel``'s
+    keyword options by their Megatron names; each gives what Megatron gives or is refused by
+    name with the reason (the table in docs/migration.md). The sizes, ``order`` and
+    ``distributed_timeout_minutes`` are accepted when they agree with gpc's launch.
 
     Returns:
-        The number of ``new_group`` calls this rank made (0 to 4; the groups gpc has are reused).
+        The number of ``new_group`` calls this rank made (0 to 4 without options; the groups
+        gpc has are reused).
 
     Raises:
         NotLaunchedError: gpc is not launched.
         RuntimeError: already installed (call :func:`uninstall` first), or Megatron's own
             ``initialize_model_parallel`` has filled ``parallel_state`` (call
             ``parallel_state.destroy_model_parallel()`` first).
-        ValueError: ``virtual_pipeline_model_parallel_size`` is not a positive integer, or is
-            given with a pipeline of size 1 (Megatron refuses that too).
+        TypeError: an option ``initialize_model_parallel`` does not have.
+        ValueError: an option that is refused or contradicts gpc's launch (the message names
+            it), e.g. ``virtual_pipeline_model_parallel_size`` with a pipeline of size 1 (Megatron
+            refuses that too) or ``num_distributed_optimizer_instances > 1``.
         MegatronVersionError: megatron-core keeps other globals than the supported version.
     """
     global _state
-    if gpc._layout is None or gpc._streams is None:
-        raise NotLaunchedError(
-            "parallelctx.megatron.install() needs a launched gpc: call parallelctx.launch_from_torch(config) "
-            "(or launch, launch_from_env, spawn) first"
-        )
+    layout = _require_launched("install()")
     if _state is not None:
         raise RuntimeError(
             "parallelctx.megatron is already installed; call parallelctx.megatron.uninstall() (or gpc.destroy()) "
@@ -498,29 +847,18 @@ def install(virtual_pipeline_model_parallel_size: int | None = None) -> int:
             "call parallel_state.destroy_model_parallel() first, or use only one of the two"
         )
     check_megatron_version()
-    layout = gpc.layout
-    virtual = virtual_pipeline_model_parallel_size
-    if virtual is not None:
-        if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={virtual!r} must be a positive integer or None"
-            )
-        if layout.pipeline < 2:
-            raise ValueError(
-                f"virtual_pipeline_model_parallel_size={virtual} needs a pipeline of size > 1, but "
-                f"parallel.pipeline is {layout.pipeline}; drop it or configure a pipeline"
-            )
-    rank = gpc.get_global_rank()
-    state = _Installed()
-    try:
-        extra = _extra_groups(layout, rank, _Maker(layout, rank, state))
-        values = _values(layout, rank, extra, virtual)
-    except BaseException:
-        _destroy_groups(state.created)
-        raise
+    if virtual_pipeline_model_parallel_size is not None:
+        options["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
+    opts = _parse_options(layout, options)
+    state, values = _build(layout, opts)
     for name, value in values.items():
         setattr(ps, name, value)
-    state.random_before = {name: getattr(_mrandom, name) for name in _RANDOM_NAMES[:4]}
+    state.random_before = {name: getattr(_mrandom, name) for name in _RANDOM_NAMES[:5]}
+    # Megatron's initialize_rng_tracker(force_reset=True) (also through
+    # model_parallel_cuda_manual_seed(..., force_reset_rng=True)) builds a new tracker of the
+    # class it finds here: make that a tracker on gpc's streams too, which gpc's checkpoint and
+    # get_rng_state keep restoring.
+    _mrandom.CudaRNGStatesTracker = GpcRNGTracker
     _mrandom._CUDA_RNG_STATE_TRACKER = _TRACKER
     _mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _mrandom._get_all_rng_states = _get_all_rng_states
@@ -528,6 +866,65 @@ def install(virtual_pipeline_model_parallel_size: int | None = None) -> int:
     _state = state
     gpc.add_destroy_hook(_on_destroy)
     return state.calls
+
+
+# ProcessGroupCollection field -> the parallel_state global use_mpu_process_groups() reads.
+COLLECTION_FIELDS: dict[str, str] = {
+    "tp": "_TENSOR_MODEL_PARALLEL_GROUP",
+    "pp": "_PIPELINE_MODEL_PARALLEL_GROUP",
+    "mp": "_MODEL_PARALLEL_GROUP",
+    "embd": "_EMBEDDING_GROUP",
+    "pos_embd": "_POSITION_EMBEDDING_GROUP",
+    "cp": "_CONTEXT_PARALLEL_GROUP",
+    "tp_cp": "_TENSOR_AND_CONTEXT_PARALLEL_GROUP",
+    "hcp": "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
+    "ep": "_EXPERT_MODEL_PARALLEL_GROUP",
+    "expt_tp": "_EXPERT_TENSOR_PARALLEL_GROUP",
+    "tp_ep": "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
+    "tp_ep_pp": "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+    "tp_dp_cp": "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
+    "dp": "_DATA_PARALLEL_GROUP",
+    "dp_cp": "_DATA_PARALLEL_GROUP_WITH_CP",
+    "expt_dp": "_EXPERT_DATA_PARALLEL_GROUP",
+    "intra_dp_cp": "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "intra_expt_dp": "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
+    "inter_dist_opt": "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
+    "intra_dist_opt": "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+}
+"""Each field of Megatron's ``ProcessGroupCollection`` and the ``parallel_state`` global it
+mirrors (None where Megatron leaves it unset, as ``use_mpu_process_groups()`` gives)."""
+
+# Collections process_groups() made since launch, by the options that shape them.
+_collections: dict[_Options, tuple[Any, list[Any]]] = {}
+
+
+def process_groups(**options: Any) -> Any:
+    """Return a Megatron ``ProcessGroupCollection`` built from gpc's groups, for Megatron-core
+    models and DDP that take ``pg_collection=``: every field holds the group (or None, or the
+    list) that ``ProcessGroupCollection.use_mpu_process_groups()`` gives after Megatron's own
+    ``initialize_model_parallel`` for gpc's sizes and order. Needs no :func:`install` and leaves
+    ``parallel_state`` alone. Every rank must call it (the first call per launch makes the 0 to
+    4 groups gpc lacks, as :func:`install` does); later calls return the same collection.
+
+    ``options`` are :func:`install`'s; of those only ``hierarchical_context_parallel_sizes``
+    shapes a field (``hcp``).
+
+    Returns:
+        A ``megatron.core.process_groups_config.ProcessGroupCollection``.
+
+    Raises:
+        NotLaunchedError: gpc is not launched.
+        TypeError, ValueError: as :func:`install` for ``options``.
+    """
+    layout = _require_launched("process_groups()")
+    opts = _parse_options(layout, options)
+    key = _Options(hierarchical_cp=opts.hierarchical_cp)
+    if key not in _collections:
+        state, values = _build(layout, key)
+        collection = ProcessGroupCollection(**{f: values[g] for f, g in COLLECTION_FIELDS.items()})
+        _collections[key] = (collection, state.created)
+        gpc.add_destroy_hook(_on_destroy)
+    return _collections[key][0]
 
 
 def _destroy_groups(groups: list[Any]) -> None:
@@ -562,6 +959,9 @@ def uninstall() -> bool:
 
 def _on_destroy() -> None:
     uninstall()
+    made = [group for _, created in _collections.values() for group in created]
+    _collections.clear()
+    _destroy_groups(made)
 
 
 def sources() -> dict[str, str]:
@@ -616,7 +1016,12 @@ def sources() -> dict[str, str]:
         "_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK": "0 when `virtual_pipeline_model_parallel_size` is given, else None",
         "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE": "`virtual_pipeline_model_parallel_size`, else None",
         "_global_process_group_list": "`[None]` + this rank's installed groups (for `update_pg_timeout`)",
-        "_HYBRID_DP_CP_GROUPS": "`{}` (hybrid context parallelism is not supported)",
+        "_HYBRID_DP_CP_GROUPS": "made by install(hybrid_context_parallel=True): `{size: group}` of "
+        "consecutive data × context ranks; else `{}`",
+        "_DATA_PARALLEL_GROUP_WITH_CP_AG": "made by install(create_all_gather_group=True): data × context, "
+        "a communicator of its own; else None",
+        "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": "made by install(hierarchical_context_parallel_sizes=[...]): "
+        "one group per level inside the context group; else None",
     }
     out: dict[str, str] = {}
     for name in _PRISTINE:
@@ -624,7 +1029,9 @@ def sources() -> dict[str, str]:
             extra = " (middle stages: None)" if by_mode[name] is M.EMBEDDING else ""
             out[name] = f"`gpc.get_group(M.{by_mode[name].name})`{extra}"
         elif name in gloo:
-            out[name] = f"`gpc.get_cpu_group(M.{gloo[name].name})`"
+            out[name] = (
+                f"`gpc.get_cpu_group(M.{gloo[name].name})` (None with `create_gloo_process_groups=False`)"
+            )
         elif name in ranks:
             out[name] = f"`gpc.get_ranks_in_group(M.{ranks[name].name})`"
         elif name in made:
@@ -632,3 +1039,6 @@ def sources() -> dict[str, str]:
         else:
             out[name] = "None, as Megatron leaves it"
     return out
+
+
+check_megatron_version()

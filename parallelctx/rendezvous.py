@@ -4,7 +4,8 @@ Every wait here has a deadline (the launch's ``dist.timeout``) and is done in sh
 that Ctrl-C and SIGTERM are acted on within a fraction of a second, and every failure names
 what it waited for: the ranks that never arrived, the host and port, the ranks and keys that
 disagree. :func:`connect_store` reaches (rank 0: serves) the rendezvous store;
-:func:`exchange` is the one round trip in which every rank posts its :class:`Arrival` (host
+:func:`agree_launch` gives the launch a key prefix no earlier launch on that store used (a store
+outlives its processes under torchrun restarts and in-process restarts); :func:`exchange` is the one round trip in which every rank posts its :class:`Arrival` (host
 name, the values all ranks must agree on, or the error its own checks raised) and reads all
 of them; :func:`disagreement` words what differs.
 
@@ -21,6 +22,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -29,7 +31,15 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
-__all__ = ["Arrival", "RendezvousError", "connect_store", "disagreement", "exchange", "rank_list"]
+__all__ = [
+    "Arrival",
+    "RendezvousError",
+    "agree_launch",
+    "connect_store",
+    "disagreement",
+    "exchange",
+    "rank_list",
+]
 
 # Longest sleep between two polls of the store: Ctrl-C and SIGTERM are acted on within this.
 _SLICE_S = 0.25
@@ -231,6 +241,118 @@ def connect_store(
     raise RendezvousError(f"rank {rank} of {world_size}: {cause}", (0,), where) from None
 
 
+# ---------------------------------------------------------------------------- the launch's keys
+_ROOT = "parallelctx/"
+
+
+def agree_launch(
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    where: str,
+    deadline: float | None = None,
+) -> str:
+    """Agree with every rank on a key prefix that no earlier launch on ``store`` used, and return
+    it: ``"parallelctx/launch-<n>/"``, where ``n`` counts the launches this store has seen.
+
+    A store outlives the processes that used it: torchrun's agent keeps the store at
+    MASTER_ADDR:MASTER_PORT across ``--max-restarts`` attempts (every attempt's processes are
+    new, and ``TORCHELASTIC_RESTART_COUNT`` differs between agents), and after an in-process
+    restart the survivors keep rank 0's store while a replaced rank is a fresh process. So no
+    rank can tell from its own state which keys are fresh. Rank 0 takes the next number from
+    the store's counter and posts it; every other rank answers the number it read with a nonce
+    of its own and waits until rank 0 confirms that nonce under that number. A number left by
+    an earlier launch is never confirmed with this process's nonce, so no rank adopts it, and
+    every key the launch reads afterwards lies under the new prefix.
+
+    Returns:
+        The prefix, the same on every rank.
+
+    Raises:
+        RendezvousError: a rank did not answer by ``deadline`` (``time.monotonic()``; default
+            now + ``timeout``), or the store went away; the message names the ranks and ``where``.
+        KeyboardInterrupt: Ctrl-C while waiting (with a note naming the awaited ranks).
+    """
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds if deadline is None else deadline
+    if rank == 0:
+        return _lead(store, world_size, seconds, where, deadline)
+    return _follow(store, rank, world_size, seconds, where, deadline)
+
+
+def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: float) -> str:
+    """Rank 0's half of :func:`agree_launch`: post a new prefix, collect every answer, confirm."""
+    try:
+        prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
+        store.set(_ROOT + "leader", prefix.encode())
+    except Exception as exc:
+        raise _lost(0, where, exc) from None
+    if world_size == 1:
+        return prefix
+    pause = 0.01
+    with _waiting(lambda: f"the other ranks of {world_size} at {where}"):
+        while True:
+            try:
+                if store.add(prefix + "answers", 0) >= world_size - 1:
+                    break
+            except Exception as exc:
+                raise _lost(0, where, exc) from None
+            now = time.monotonic()
+            if now >= deadline:
+                raise _not_arrived(_unanswered(store, prefix, world_size), world_size, seconds, where)
+            if pause > 0.05:
+                missing = _unanswered(store, prefix, world_size)
+                if missing:
+                    _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, _SLICE_S)
+        try:
+            nonces = store.multi_get([f"{prefix}answer/{r}" for r in range(1, world_size)])
+            store.set(prefix + "confirmed", b",".join(nonces))
+        except Exception as exc:
+            raise _lost(0, where, exc) from None
+    return prefix
+
+
+def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, deadline: float) -> str:
+    """The other ranks' half of :func:`agree_launch`: answer the posted prefix with a nonce until
+    rank 0 confirms it."""
+    nonce = uuid.uuid4().hex.encode()
+    answered: str | None = None
+    pause = 0.01
+    with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
+        while True:
+            try:
+                if store.check([_ROOT + "leader"]):
+                    prefix = store.get(_ROOT + "leader").decode()
+                    if prefix != answered:
+                        store.set(f"{prefix}answer/{rank}", nonce)
+                        store.add(prefix + "answers", 1)
+                        answered = prefix
+                    if store.check([prefix + "confirmed"]):
+                        confirmed = store.get(prefix + "confirmed").split(b",")
+                        if len(confirmed) == world_size - 1 and confirmed[rank - 1] == nonce:
+                            return prefix
+            except Exception as exc:
+                raise _lost(rank, where, exc) from None
+            now = time.monotonic()
+            if now >= deadline:
+                # Under the prefix this rank answered, the ranks that did not answer; when all did
+                # (or the prefix was an earlier launch's), rank 0 never confirmed this launch.
+                missing = _unanswered(store, answered, world_size) if answered is not None else None
+                raise _not_arrived(missing or [0], world_size, seconds, where)
+            time.sleep(min(pause, max(deadline - now, 0.0)))
+            pause = min(pause * 2, _SLICE_S)
+
+
+def _unanswered(store: Any, prefix: str, world_size: int) -> list[int] | None:
+    try:
+        return [r for r in range(1, world_size) if not store.check([f"{prefix}answer/{r}"])]
+    except Exception:
+        return None
+
+
 # ---------------------------------------------------------------------------- the exchange
 def _missing(store: Any, world_size: int) -> list[int] | None:
     try:
@@ -301,21 +423,7 @@ def exchange(
                 raise _lost(rank, where, exc) from None
             now = time.monotonic()
             if now >= deadline:
-                missing = _missing(store, world_size)
-                names = (
-                    "some ranks"
-                    if missing is None
-                    else f"rank{'s' if len(missing) > 1 else ''} " + rank_list(missing)
-                )
-                raise RendezvousError(
-                    f"{names} of world_size={world_size} did not arrive at the rendezvous {where} within "
-                    f"{seconds:g} s (dist.timeout); check that {'they were' if missing is None or len(missing) > 1 else 'it was'} "
-                    f"started with world_size={world_size} and the same host:port, that {'they' if missing is None or len(missing) > 1 else 'it'} "
-                    f"did not fail before launching (see its log), and that {where} is reachable from "
-                    f"{'their' if missing is None or len(missing) > 1 else 'its'} host; raise dist.timeout if ranks start slowly",
-                    missing or (),
-                    where,
-                )
+                raise _not_arrived(_missing(store, world_size), world_size, seconds, where)
             if pause > 0.05:
                 missing = _missing(store, world_size)
                 if missing:
@@ -340,6 +448,23 @@ def exchange(
             culprits = [a.rank for a in failed] or _odd_ranks(arrivals)
             raise RendezvousError(f"launch refused on every rank: {problem}", culprits, where)
     return arrivals
+
+
+def _not_arrived(
+    missing: Sequence[int] | None, world_size: int, seconds: float, where: str
+) -> RendezvousError:
+    """The error for ranks (None: unknown ones) that did not arrive within the timeout."""
+    many = missing is None or len(missing) > 1
+    names = "some ranks" if missing is None else f"rank{'s' if many else ''} " + rank_list(missing)
+    return RendezvousError(
+        f"{names} of world_size={world_size} did not arrive at the rendezvous {where} within "
+        f"{seconds:g} s (dist.timeout); check that {'they were' if many else 'it was'} "
+        f"started with world_size={world_size} and the same host:port, that {'they' if many else 'it'} "
+        f"did not fail before launching (see its log), and that {where} is reachable from "
+        f"{'their' if many else 'its'} host; raise dist.timeout if ranks start slowly",
+        missing or (),
+        where,
+    )
 
 
 def _linger(store: Any, world_size: int, deadline: float, awaited: str) -> None:

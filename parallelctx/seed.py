@@ -262,6 +262,28 @@ class RNGStreams:
         self._active = snap.active
         self._restore(self._states[snap.active])
 
+    def reseed(self, stream: Any, seed: int) -> None:
+        """Restart ``stream`` from ``seed``: it then draws what a fresh ``torch.Generator`` (CPU,
+        and CUDA where used) seeded with ``seed`` draws; ``seeds[stream]`` becomes ``seed``. The
+        other streams, and the default generators unless ``stream`` is the active one, keep
+        their state. (For code that seeds streams itself, e.g. Megatron's
+        ``model_parallel_cuda_manual_seed`` through :mod:`parallelctx.megatron`.)
+
+        Raises:
+            KeyError: ``stream`` has no stream here.
+        """
+        if stream not in self._states:
+            raise KeyError(f"no RNG stream {stream!r}; streams are {sorted(map(str, self._states))}")
+        cpu = torch.Generator().manual_seed(seed).get_state()
+        cuda = None
+        if self._cuda:
+            device = torch.device("cuda", torch.cuda.current_device())
+            cuda = torch.Generator(device=device).manual_seed(seed).get_state()
+        self.seeds[stream] = seed
+        self._states[stream] = (cpu, cuda)
+        if stream == self._active:
+            self._restore((cpu, cuda))
+
     @contextlib.contextmanager
     def fork(self, mode: Any) -> Iterator[None]:
         """Run the body on ``mode``'s stream (CPU and CUDA), then switch back.

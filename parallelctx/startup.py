@@ -21,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .abort import listening
 from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, check_init_method_env
 from .groups import ModeGroup, create_groups
 from .layout import Layout, ParallelMode
-from .rendezvous import Arrival, RendezvousError, connect_store, exchange
+from .rendezvous import Arrival, RendezvousError, agree_launch, connect_store, exchange
 
 if TYPE_CHECKING:
     from .context import ParallelContext
@@ -50,27 +51,24 @@ CPU_BACKENDS = frozenset({"gloo", "mpi", "fake"})
 
 
 class Meetings:
-    """Where launches meet, kept by the context across ``destroy()`` so that a relaunch in the
-    same processes works: the rendezvous store of each URL (rank 0 serves a ``tcp://`` one and
-    keeps it), a counter that gives every launch its own key prefix
-    (``parallelctx/launch-<n>``), and the names of the groups made on a default group that
-    parallelctx adopted (torch names those by count; see ``groups._claim_name``)."""
+    """Where launches meet, kept by the context across ``destroy()`` so that a relaunch works:
+    the rendezvous store of each URL (rank 0 serves a ``tcp://`` one and keeps it), and the
+    names of the groups made on a default group that parallelctx adopted (torch names those by
+    count; see ``groups._claim_name``). Every launch meets under a key prefix that all ranks
+    agree no earlier launch on the store used (:func:`parallelctx.rendezvous.agree_launch`), so
+    a relaunch works also when some processes are new (a torchrun restart, a replaced rank)."""
 
     def __init__(self) -> None:
         self._stores: dict[tuple[str, int, int], Any] = {}
-        self._launches = 0
         self._adopted: tuple[Any, set[tuple[Any, int]]] = (None, set())
-
-    def _prefixed(self, base: Any) -> Any:
-        self._launches += 1
-        return dist.PrefixStore(f"parallelctx/launch-{self._launches}", base)
 
     def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
-        interruptible wait, then kept) under a prefix new for this launch.
+        interruptible wait, then kept) under the prefix the ranks agreed is new.
 
         Raises:
-            RendezvousError: the store did not answer before ``deadline`` or its port is taken.
+            RendezvousError: the store did not answer before ``deadline``, its port is taken, or
+                a rank did not take part in the agreement in time.
         """
         key = (url, rank, world_size)
         base = self._stores.get(key)
@@ -78,13 +76,20 @@ class Meetings:
             base = connect_store(url, rank, world_size, timeout, deadline)
             self._stores[key] = base
         base.set_timeout(timeout)
-        return self._prefixed(base)
+        prefix = agree_launch(base, rank, world_size, timeout, _shown_url(url), deadline)
+        return dist.PrefixStore(prefix, base)
 
-    def adopted_store(self) -> Any:
-        """Return the adopted default group's store under a prefix new for this launch."""
+    def adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
+        """Return the adopted default group's store under the prefix the ranks agreed is new.
+
+        Raises:
+            RendezvousError: a rank did not take part in the agreement in time.
+        """
         from torch.distributed.distributed_c10d import _get_default_store
 
-        return self._prefixed(_get_default_store())
+        base = _get_default_store()
+        prefix = agree_launch(base, rank, world_size, timeout, "the default group's store", deadline)
+        return dist.PrefixStore(prefix, base)
 
     def adopted_names(self) -> set[tuple[Any, int]]:
         """Return the set of group names already used on the current adopted default group
@@ -97,13 +102,17 @@ class Meetings:
 @dataclass(frozen=True)
 class DefaultGroup:
     """What :func:`init_default_group` made or adopted: the backend, whether parallelctx owns
-    (and so destroys) the group, the timeout, and every rank's host name when the rendezvous
-    gathered them (empty otherwise)."""
+    (and so destroys) the group, the timeout, every rank's host name when the rendezvous
+    gathered them (empty otherwise), the launch's store under its agreed prefix (None for a
+    world of one) and the inodes of this process's TCP listeners before any group was made
+    (:func:`parallelctx.abort.listening`), for ``abort()``."""
 
     backend: str
     owned: bool
     timeout: timedelta
     hostnames: tuple[str, ...]
+    store: Any = None
+    listening: frozenset[int] = frozenset()
 
 
 def launch(
@@ -195,6 +204,7 @@ def launch(
         on_node = ctx.detect_num_processes_on_current_node()
         ctx.set_device()
         ctx.set_seed(use_seed)
+        ctx._post_listeners()
     except BaseException:
         ctx.destroy()
         raise
@@ -322,10 +332,12 @@ def init_default_group(
     """Meet every rank (one exchange of ``arrival`` on this launch's store) and make the
     default group, or adopt an initialised one with the same rank and world size.
 
-    Relaunching in the same processes works: the rendezvous store of a URL is kept across
-    ``destroy()`` by ``meetings`` (under torchrun it is the launcher's own store) and every
-    launch meets under its own key prefix, ``parallelctx/launch-<n>``, where ``n`` counts this
-    process's launches; every rank must therefore launch the same number of times. In the one
+    Relaunching works, in the same processes or with some of them new (a torchrun restart, a
+    replaced rank): the rendezvous store of a URL is kept across ``destroy()`` by ``meetings``
+    (under torchrun it is the launcher's own store, which outlives restarts) and every launch
+    first agrees with every rank on a key prefix no earlier launch on that store used,
+    ``parallelctx/launch-<n>/`` (:func:`parallelctx.rendezvous.agree_launch`); the exchange,
+    the default group and every group made from it keep their keys under it. In the one
     round trip (:func:`parallelctx.rendezvous.exchange`) each rank posts ``arrival`` and reads
     the others'; a rank that does not arrive within ``timeout`` is named, and so are ranks that
     disagree. The host names serve ``detect_num_processes_on_current_node``.
@@ -351,12 +363,12 @@ def init_default_group(
                 f"{dist.get_world_size()}, not rank {rank} of {world_size}; call "
                 "torch.distributed.destroy_process_group() or launch with matching values"
             )
+        kv = None
         if arrival is not None and world_size > 1:
-            arrivals = exchange(
-                meetings.adopted_store(), arrival, world_size, timeout, "the default group's store", deadline
-            )
+            kv = meetings.adopted_store(rank, world_size, timeout, deadline)
+            arrivals = exchange(kv, arrival, world_size, timeout, "the default group's store", deadline)
             hostnames = tuple(a.host for a in arrivals)
-        return DefaultGroup(dist.get_backend(), False, timeout, hostnames)
+        return DefaultGroup(dist.get_backend(), False, timeout, hostnames, kv, frozenset(listening()))
     if world_size == 1 and init_method is None:
         store: Any = dist.HashStore()
         if arrival is not None:
@@ -372,8 +384,9 @@ def init_default_group(
         if arrival is not None:
             arrivals = exchange(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
             hostnames = tuple(a.host for a in arrivals)
+    before = frozenset(listening())
     dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
-    return DefaultGroup(backend, True, timeout, hostnames)
+    return DefaultGroup(backend, True, timeout, hostnames, None if world_size == 1 else store, before)
 
 
 def make_groups(

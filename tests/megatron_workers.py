@@ -10,6 +10,7 @@ tensor-parallel layers through the installed state. Each rank writes one JSON fi
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import itertools
 import json
@@ -29,6 +30,7 @@ warnings.simplefilter("ignore")
 
 from megatron.core import ModelParallelConfig, tensor_parallel  # noqa: E402 - after the warnings filter (megatron warns at import)
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 
 # Public functions of parallel_state that are not state getters, and why (docs/migration.md).
 NOT_GETTERS: dict[str, str] = {
@@ -117,9 +119,15 @@ def config(case: dict[str, Any]) -> dict[str, Any]:
     return {"parallel": parallel, "dist": {"timeout": 120, "backend": "gloo"}, "seed": 1234}
 
 
+def collection(pgc: Any) -> dict[str, Any]:
+    """Every field of a ProcessGroupCollection by members ("unset" where it has no value)."""
+    return {f.name: describe(getattr(pgc, f.name, "unset")) for f in dataclasses.fields(pgc)}
+
+
 def megatron_init(case: dict[str, Any]) -> None:
     """Megatron's own initialize_model_parallel for a case."""
     ps.initialize_model_parallel(
+        **case.get("options", {}),
         tensor_model_parallel_size=case["tp"],
         pipeline_model_parallel_size=case["pp"],
         virtual_pipeline_model_parallel_size=case.get("vpp"),
@@ -144,21 +152,43 @@ def compare_layout(
     try:
         megatron_init(case)
         theirs = answer_all(getters)
+        their_collection = collection(ProcessGroupCollection.use_mpu_process_groups())
         ps.destroy_model_parallel()
     finally:
         os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
     relaunch(case)
+    options = case.get("options", {})
+    # the pg_collection route: no install, parallel_state left alone
+    globals_before = {name: getattr(ps, name) for name in bridge._PRISTINE}
+    pgc = bridge.process_groups(**options)
+    groups_after_first = len(dist.distributed_c10d._world.pg_names)
+    our_collection = collection(pgc)
+    route = {
+        "changed": [name for name, value in globals_before.items() if getattr(ps, name) is not value],
+        "is_initialized": ps.is_initialized(),
+        "same_object": bridge.process_groups(**options) is pgc,
+        "made_again": len(dist.distributed_c10d._world.pg_names) - groups_after_first,
+        "tp_dp_cp": onehot(pgc.tp_dp_cp),
+        "tp_cp": onehot(pgc.tp_cp),
+    }
     before = len(dist.distributed_c10d._world.pg_names)
-    calls = bridge.install(virtual_pipeline_model_parallel_size=case.get("vpp"))
+    calls = bridge.install(virtual_pipeline_model_parallel_size=case.get("vpp"), **options)
     made = len(dist.distributed_c10d._world.pg_names) - before
     ours = answer_all(getters)
     proofs = {
         "tp-dp-cp": onehot(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
         "tp-dp": onehot(ps.get_tensor_and_data_parallel_group()),
         "tp-cp": onehot(ps.get_tensor_and_context_parallel_group()),
-        "dp-cp-gloo": onehot(ps.get_data_parallel_group_gloo(with_context_parallel=True)),
         "expert-tensor": onehot(ps.get_expert_tensor_parallel_group()),
     }
+    if options.get("create_gloo_process_groups", True):
+        proofs["dp-cp-gloo"] = onehot(ps.get_data_parallel_group_gloo(with_context_parallel=True))
+    if options.get("create_all_gather_group"):
+        proofs["all-gather"] = onehot(
+            ps.get_data_parallel_group(with_context_parallel=True, independent_all_gather=True)
+        )
+    for level, group in enumerate(ps.get_hierarchical_context_parallel_groups(check_initialized=False) or []):
+        proofs[f"hcp{level}"] = onehot(group)
     if ps.is_rank_in_position_embedding_group():
         proofs["position-embedding"] = onehot(ps.get_position_embedding_group())
     created = list(bridge._state.created) if bridge._state is not None else []
@@ -174,13 +204,18 @@ def compare_layout(
         "tracker_is_ours": tensor_parallel.random._CUDA_RNG_STATE_TRACKER is bridge._TRACKER,
         "created_alive": sum(1 for g in created if g in registry),
     }
+    restored_collections = len(bridge._collections)
     return {
         "theirs": theirs,
         "ours": ours,
+        "their_collection": their_collection,
+        "our_collection": our_collection,
+        "route": route,
         "calls": calls,
         "made": made,
         "proofs": proofs,
         "restored": restored,
+        "collections_after": restored_collections,
     }
 
 
@@ -260,7 +295,7 @@ def layers(out: dict[str, Any]) -> None:
     # dropout under Megatron's tracker, on the CPU
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tensor_parallel.model_parallel_cuda_manual_seed(4321)
-    out["seed_after_manual_seed"] = [gpc.get_seed(ParallelMode.TENSOR), gpc.get_seed(ParallelMode.GLOBAL)]
+    out["seed_after_manual_seed"] = [gpc.get_seed(ParallelMode.TENSOR), gpc.get_seed(ParallelMode.DATA)]
     ones = torch.ones(64, dtype=torch.float64)
     with tracker.fork():
         tp_mask = (torch.nn.functional.dropout(ones, 0.5) > 0).int().tolist()
@@ -298,11 +333,71 @@ def layers(out: dict[str, Any]) -> None:
             for k in after_checkpoint["parallelctx"].states
         ),
     }
+    seeding(out)
     try:
         tracker.fork("no-such-rng")
         out["unknown_fork"] = "no error"
     except ValueError as exc:
         out["unknown_fork"] = str(exc)
+
+
+def seeding(out: dict[str, Any]) -> None:
+    """Megatron's seeding on the bridge, as a Megatron training script does it: draws from each
+    tracker stream and from gpc's matching stream, interleaved, after
+    model_parallel_cuda_manual_seed(1234) with and without force_reset_rng; then a
+    parallelctx.checkpoint region under the tracker after a forced reset."""
+    names = {
+        "tp": (tensor_parallel.random._MODEL_PARALLEL_RNG_TRACKER_NAME, ParallelMode.TENSOR),
+        "ep": (tensor_parallel.get_expert_parallel_rng_tracker_name(), ParallelMode.EXPERT),
+        "dp": (tensor_parallel.get_data_parallel_rng_tracker_name(), ParallelMode.DATA),
+    }
+    draws: dict[str, Any] = {}
+    for reset in (False, True):
+        with torch.no_grad():
+            torch.rand(5)  # the default stream moves on: the seeded streams must not care
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, force_reset_rng=reset)
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        got: dict[str, list[float]] = {}
+        for key, (name, mode) in names.items():
+            seq: list[float] = []
+            with tracker.fork(name):
+                seq += torch.rand(3).tolist()
+            with gpc.seed(mode):
+                seq += torch.rand(3).tolist()
+            with tracker.fork(name):
+                seq += torch.rand(2).tolist()
+            got[key] = seq
+        got["tracker_class"] = type(tracker).__name__  # type: ignore[assignment]
+        draws[f"reset={reset}"] = got
+    out["seeding"] = draws
+    out["seeding_ranks"] = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "ep": ps.get_expert_model_parallel_rank(),
+        "etp": ps.get_expert_tensor_parallel_rank(),
+    }
+
+    # after initialize_rng_tracker(force_reset=True) gpc's checkpoint still replays the tracker's
+    # stream: the gradient of a checkpointed dropout block equals the plain run's.
+    tensor_parallel.random.initialize_rng_tracker(force_reset=True)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+
+    def block(inp: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            return torch.nn.functional.dropout(inp, 0.5).sin()
+
+    x = torch.linspace(-1, 1, 64, dtype=torch.float64)
+    state = gpc.get_rng_state()
+    a = x.clone().requires_grad_(True)
+    parallelctx.checkpoint(block, a, use_reentrant=True).sum().backward()
+    gpc.set_rng_state(state)
+    b = x.clone().requires_grad_(True)
+    block(b).sum().backward()
+    assert a.grad is not None and b.grad is not None
+    out["forced_reset_checkpoint"] = {
+        "tracker_class": type(tracker).__name__,
+        "grad_diff": (a.grad - b.grad).abs().max().item(),
+        "grad_nonzero": int((b.grad != 0).sum().item()),
+    }
 
 
 def run(out_dir: str, cases: list[dict[str, Any]], layer_case: dict[str, Any], port: int) -> None:

@@ -26,6 +26,7 @@ MODULES = [
     "megatron",
     "torchtitan",
     "rendezvous",
+    "abort",
     "spawn",
     "checkpoint",
     "args",

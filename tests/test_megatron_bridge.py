@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from megatron_workers import run
 
 import parallelctx
 from parallelctx import ParallelMode, plan
 from parallelctx.launch import free_port
+from parallelctx.megatron import COLLECTION_FIELDS
 
 WORLD = 8
 D = "tp-cp-ep-dp-pp"
@@ -42,11 +44,35 @@ CASES: list[dict[str, Any]] = [
         "uninstall_by": "uninstall",
     },
     {"name": "pp_not_last", "tp": 2, "pp": 2, "cp": 1, "ep": 2, "etp": 1, "order": P},
-    {"name": "tp1_context", "tp": 1, "pp": 2, "cp": 2, "ep": 1, "etp": 1, "order": D},
-    {"name": "pp4_virtual", "tp": 1, "pp": 4, "cp": 1, "ep": 1, "etp": 1, "order": D, "vpp": 2},
+    {
+        "name": "tp1_context_options",
+        "tp": 1,
+        "pp": 2,
+        "cp": 2,
+        "ep": 1,
+        "etp": 1,
+        "order": D,
+        "options": {
+            "create_all_gather_group": True,
+            "hybrid_context_parallel": True,
+            "hierarchical_context_parallel_sizes": [2, 1],
+            "num_distributed_optimizer_instances": 1,
+        },
+    },
+    {
+        "name": "pp4_virtual_no_gloo",
+        "tp": 1,
+        "pp": 4,
+        "cp": 1,
+        "ep": 1,
+        "etp": 1,
+        "order": D,
+        "vpp": 2,
+        "options": {"create_gloo_process_groups": False, "hierarchical_context_parallel_sizes": [1]},
+    },
     {"name": "tp4_cp2_world", "tp": 4, "pp": 1, "cp": 2, "ep": 2, "etp": 4, "order": P},
 ]
-LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "order": D}
+LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 2, "order": D}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +89,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         config=config(CASES[0]),
         backend="gloo",
         timeout=120,
-        join_timeout=600,
+        join_timeout=1200,
     )
     return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -162,22 +188,41 @@ def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], ind
         for token in ("tp-dp-cp", "tp-dp", "tp-cp"):
             members = _megatron_ranks(case, token, r)
             assert proofs[token] == [int(i in members) for i in range(WORLD)], (r, token)
-        assert proofs["dp-cp-gloo"] == [int(i in _megatron_ranks(case, "dp-cp", r)) for i in range(WORLD)]
         if _layout(case).local_rank(ParallelMode.PIPELINE, r) == 0:
             assert proofs["position-embedding"] == [int(i == r) for i in range(WORLD)]
         else:
             assert "position-embedding" not in proofs
+        options = case.get("options", {})
+        dp_cp = [int(i in _megatron_ranks(case, "dp-cp", r)) for i in range(WORLD)]
+        assert proofs.get("dp-cp-gloo", dp_cp) == dp_cp
+        assert ("dp-cp-gloo" in proofs) is options.get("create_gloo_process_groups", True)
+        if options.get("create_all_gather_group"):
+            assert proofs["all-gather"] == dp_cp
+        hcp = options.get("hierarchical_context_parallel_sizes", [])
+        assert sum(k.startswith("hcp") for k in proofs) == len(hcp)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
 def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], index: int) -> None:
+    import parallelctx.megatron as bridge
+
     case = CASES[index]
     layout = _layout(case)
     for rec in records:
         r, found = rec["rank"], rec["cases"][index]
         existing = {tuple(layout.group_of(m, r)) for m in ParallelMode if layout.group_of(m, r)}
-        wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")} - existing
-        expected = len(wanted) + (0 if (r,) in existing else 1)
+        wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")}
+        options = case.get("options", {})
+        sizes = options.get("hierarchical_context_parallel_sizes", [])
+        cp, dp_cp = layout.group_of(ParallelMode.CONTEXT, r), layout.group_of(ParallelMode.DATA_CONTEXT, r)
+        for level in range(len(sizes)):  # Megatron's levels: a reused group where members agree
+            wanted |= {tuple(g) for g in bridge._hierarchical_rows(cp, sizes, level) if r in g}
+        if options.get("hybrid_context_parallel"):
+            wanted |= {tuple(g) for rows in bridge._hybrid_rows(dp_cp).values() for g in rows if r in g}
+        wanted -= existing
+        expected = (
+            len(wanted) + (0 if (r,) in existing else 1) + int(bool(options.get("create_all_gather_group")))
+        )
         assert found["calls"] == expected, (r, found["calls"], wanted)
         assert found["made"] == found["calls"]  # torch's registry grew by exactly that
 
@@ -216,11 +261,70 @@ def test_tracker_dropout_differs_across_tensor_ranks_and_agrees_across_replicas(
                 assert masks[r]["default"] == masks[peer]["default"]
         for replica in layout.group_of(ParallelMode.DATA, r):
             assert masks[r]["tp"] == masks[replica]["tp"]  # data replicas: same shard masks
-    seeds = {tuple(rec["seed_after_manual_seed"]) for rec in records}
-    base = 4321
+    for rec in records:  # Megatron's seeds, reported by gpc
+        tp_rank = layout.local_rank(ParallelMode.TENSOR, rec["rank"])
+        assert rec["seed_after_manual_seed"] == [4321 + 2718 + tp_rank, 4321]
+
+
+def _draws(seed: int, n: int = 8) -> list[float]:
+    return torch.rand(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_model_parallel_cuda_manual_seed_seeds_the_streams_as_megatron(records: list[dict[str, Any]]) -> None:
+    # Draws (3 from the tracker, 3 from gpc's stream, 2 from the tracker again) equal a CPU
+    # generator seeded with Megatron's formula: one stream, whichever way it is entered.
+    layout = _layout(LAYER_CASE)
+    ep_ranks = set()
     for rec in records:
-        assert rec["seed_after_manual_seed"][1] == base  # model_parallel_cuda_manual_seed re-seeded gpc
-    assert len(seeds) == 2  # two tensor ranks
+        r = rec["rank"]
+        tp = layout.local_rank(ParallelMode.TENSOR, r)
+        ep = layout.local_rank(ParallelMode.EXPERT, r)
+        etp = layout.local_rank(ParallelMode.EXPERT_TENSOR, r)
+        ep_ranks.add((ep, etp))
+        assert rec["seeding_ranks"] == {"tp": tp, "ep": ep, "etp": etp}
+        for reset in ("reset=False", "reset=True"):
+            got = rec["seeding"][reset]
+            assert got["tracker_class"] == "GpcRNGTracker", reset
+            assert got["tp"] == _draws(1234 + 2718 + tp), (r, reset)
+            assert got["ep"] == _draws(1234 + 1024 + 100 * ep + etp), (r, reset)
+            assert got["dp"] == _draws(1234), (r, reset)
+    assert ep_ranks == {(0, 0), (0, 1), (1, 0), (1, 1)}  # every expert seed was exercised
+
+
+def test_forced_tracker_reset_keeps_gpc_checkpoint_replaying_it(records: list[dict[str, Any]]) -> None:
+    for rec in records:
+        found = rec["forced_reset_checkpoint"]
+        assert found["tracker_class"] == "GpcRNGTracker"
+        assert found["grad_nonzero"] > 10  # dropout kept some, dropped some
+        assert found["grad_diff"] == 0.0, rec["rank"]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_process_groups_equal_use_mpu_process_groups(records: list[dict[str, Any]], index: int) -> None:
+    # Every field of the collection, by members, None where Megatron leaves it unset.
+    fields = set(COLLECTION_FIELDS)
+    for rec in records:
+        found = rec["cases"][index]
+        theirs, ours = found["their_collection"], found["our_collection"]
+        assert set(theirs) == set(ours) == fields
+        wrong = {k: (theirs[k], ours[k]) for k in fields if theirs[k] != ours[k]}
+        assert not wrong, f"rank {rec['rank']} {CASES[index]['name']}: {wrong}"
+        assert theirs["inter_dist_opt"] is None and theirs["tp"] is not None
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+def test_pg_collection_route_leaves_parallel_state_alone(records: list[dict[str, Any]], index: int) -> None:
+    case = CASES[index]
+    for rec in records:
+        r, route = rec["rank"], rec["cases"][index]["route"]
+        assert route["changed"] == [] and route["is_initialized"] is False
+        assert route["same_object"] is True and route["made_again"] == 0
+        for token in ("tp_dp_cp", "tp_cp"):  # the groups it made answer a collective
+            members = _megatron_ranks(case, token.replace("_", "-"), r)
+            assert route[token] == [int(i in members) for i in range(WORLD)]
+        assert rec["cases"][index]["collections_after"] == (
+            1 if case.get("uninstall_by") == "uninstall" else 0
+        )
 
 
 def test_tensor_parallel_checkpoint_recomputes_the_same_masks(records: list[dict[str, Any]]) -> None:
@@ -319,3 +423,103 @@ def test_destroy_hooks_run_first_once_and_their_error_surfaces_after_teardown() 
         gpc.get_global_rank()
     gpc.destroy()  # hooks were forgotten
     assert seen == [1]
+
+
+def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason() -> None:
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    parallelctx.launch({"seed": 3, "dist": {"timeout": 60}})
+    try:
+        refused = {
+            "num_distributed_optimizer_instances": (2, "replicate x shard"),
+            "use_sharp": (True, "SHARP"),
+            "sharp_enabled_group": ("dp", "use_sharp"),
+            "nccl_communicator_config_path": ("/tmp/nccl.yaml", "communicator options"),
+            "high_priority_stream_groups": (["dp_cp"], "stream priority"),
+            "pipeline_model_parallel_comm_backend": ("ucc", "'ucc'"),
+            "tensor_model_parallel_size": (2, "parallel.tensor=1"),
+            "expert_tensor_parallel_size": (2, "parallel.expert.tensor=1"),
+            "order": ("tp-pp-dp-cp-ep", None),  # a world of one: every order gives the same groups
+            "distributed_timeout_minutes": (30, "dist.timeout"),
+            "hybrid_context_parallel": (True, "even number"),
+            "hierarchical_context_parallel_sizes": ([2], "multiply to 2"),
+            "get_embedding_ranks": (lambda pp: [], "other ranks than Megatron's default"),
+        }
+        for name, (value, why) in refused.items():
+            if why is None:
+                bridge.install(**{name: value})
+                bridge.uninstall()
+                continue
+            with pytest.raises(ValueError, match=name) as err:
+                bridge.install(**{name: value})
+            assert why in str(err.value), (name, str(err.value))
+            assert not bridge.is_installed()
+        with pytest.raises(TypeError, match="encoder_tensor_model_parallel_size"):
+            bridge.install(encoder_tensor_model_parallel_size=1)
+        # Megatron's defaults, and values equal to gpc's, are accepted by name
+        bridge.install(
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            context_parallel_size=1,
+            expert_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
+            num_distributed_optimizer_instances=1,
+            distributed_timeout_minutes=1,
+            order="tp-cp-ep-dp-pp",
+            use_sharp=False,
+            high_priority_stream_groups=[],
+            get_embedding_ranks=ps_default("default_embedding_ranks"),
+            get_position_embedding_ranks=ps_default("default_position_embedding_ranks"),
+            create_all_gather_group=True,
+        )
+        from megatron.core import parallel_state as ps
+
+        assert ps.has_separate_all_gather_group()
+        # Megatron's tracker options: CUDA-graph-safe states are refused by name
+        from megatron.core import tensor_parallel
+
+        with pytest.raises(ValueError, match="use_cudagraphable_rng"):
+            tensor_parallel.random.initialize_rng_tracker(use_cudagraphable_rng=True, force_reset=True)
+    finally:
+        gpc.destroy()
+
+
+def ps_default(name: str) -> Any:
+    from megatron.core import parallel_state as ps
+
+    return getattr(ps, name)
+
+
+def test_manual_seed_draws_on_a_world_of_one_and_reseed_leaves_other_streams() -> None:
+    # The path of a Megatron training script on one CPU process: seeding, then dropout on the
+    # tracker's stream; the draws are a CPU generator's seeded with Megatron's formula.
+    from megatron.core import tensor_parallel
+
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    parallelctx.launch({"seed": 3})
+    try:
+        bridge.install()
+        start = gpc.get_rng_state()
+        with gpc.seed(ParallelMode.PIPELINE):
+            before = torch.rand(4)
+        tensor_parallel.model_parallel_cuda_manual_seed(77, force_reset_rng=True)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            tp = torch.rand(4)
+        with gpc.seed(ParallelMode.TENSOR):
+            tp2 = torch.rand(4)
+        assert torch.equal(
+            torch.cat([tp, tp2]), torch.rand(8, generator=torch.Generator().manual_seed(77 + 2718))
+        )
+        assert gpc.get_seed(ParallelMode.EXPERT) == 77 + 1024 and gpc.get_seed(ParallelMode.DATA) == 77
+        # a stream the tracker does not seed continues where it stopped
+        with gpc.seed(ParallelMode.PIPELINE):
+            after = torch.rand(4)
+        gpc.set_rng_state(start)
+        with gpc.seed(ParallelMode.PIPELINE):
+            unseeded = torch.rand(8)
+        assert torch.equal(torch.cat([before, after]), unseeded)
+    finally:
+        gpc.destroy()

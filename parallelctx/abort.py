@@ -1,0 +1,175 @@
+"""Abort a launch's process groups from any thread, without waiting on a hung collective.
+
+``ProcessGroup.abort()`` ends NCCL communicators, but gloo does not implement it (in torch 2.13
+it returns at once and a pending gloo collective keeps waiting until its timeout). A gloo group
+is a set of TCP connections between the ranks' gloo listeners, so what ends a pending gloo
+collective is shutting those connections down: the collective then raises ``RuntimeError:
+... Connection closed by peer`` within milliseconds, on this rank and on the peers at the other
+end. This module finds them from this process's own sockets (``/proc/self/fd`` and
+``/proc/net/tcp``, so Linux only): :func:`listening` lists the TCP listeners of this process,
+:func:`new_listeners` those a launch added (the gloo listeners, one per group, made when the
+group is made even where gloo connects lazily), and :func:`shut_down` shuts down every
+established connection to or from a listener of a given set (this rank's and its peers':
+:func:`post_listeners` and :func:`read_listeners` carry them over the launch's store). The descriptors stay open for gloo to close; nothing else in the
+process is touched. Linux only: elsewhere :func:`shut_down` finds nothing.
+
+Imports nothing from parallelctx.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Endpoint",
+    "abort_groups",
+    "listening",
+    "new_listeners",
+    "post_listeners",
+    "read_listeners",
+    "shut_down",
+]
+
+# A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port).
+Endpoint = tuple[str, int]
+
+_LISTEN = "0A"
+
+
+def _socket_fds() -> dict[int, int]:
+    """inode -> one file descriptor of this process for every socket it holds."""
+    out: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink(f"/proc/self/fd/{name}")
+                if target.startswith("socket:["):
+                    out[int(target[8:-1])] = int(name)
+    return out
+
+
+def _endpoint(text: str) -> Endpoint:
+    address, port = text.split(":")
+    return address, int(port, 16)
+
+
+def _tcp_sockets() -> list[tuple[int, int, Endpoint, Endpoint, str]]:
+    """(inode, fd, local, remote, state) of every TCP socket of this process."""
+    fds = _socket_fds()
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if len(fields) > 9 and fields[9].isdigit() and int(fields[9]) in fds:
+                    inode = int(fields[9])
+                    rows.append((inode, fds[inode], _endpoint(fields[1]), _endpoint(fields[2]), fields[3]))
+    return rows
+
+
+def listening() -> dict[int, Endpoint]:
+    """Return the TCP listeners of this process: inode -> (address in hex, port)."""
+    return {inode: local for inode, _, local, _, state in _tcp_sockets() if state == _LISTEN}
+
+
+def new_listeners(before: Collection[int], exclude_ports: Collection[int] = ()) -> list[Endpoint]:
+    """Return the listeners of this process that are not in ``before`` (inodes from
+    :func:`listening`), leaving out ``exclude_ports`` (e.g. a rendezvous store served here)."""
+    return sorted(
+        local for inode, local in listening().items() if inode not in before and local[1] not in exclude_ports
+    )
+
+
+def _matches(endpoint: Endpoint, listeners: Collection[Endpoint]) -> bool:
+    address, port = endpoint
+    return any(port == p and (a == address or not a.strip("0")) for a, p in listeners)
+
+
+def shut_down(listeners: Collection[Endpoint]) -> int:
+    """Shut down (``SHUT_RDWR``, without closing the descriptor) every established TCP
+    connection of this process whose local end is one of ``listeners`` (accepted by it) or
+    whose remote end is one (connected to it).
+
+    Returns:
+        The number of connections shut down. Never raises for a socket that closed meanwhile.
+    """
+    done = 0
+    for inode, fd, local, remote, state in _tcp_sockets():
+        if state == _LISTEN or not (_matches(local, listeners) or _matches(remote, listeners)):
+            continue
+        try:
+            copy = os.dup(fd)
+        except OSError:
+            continue  # closed meanwhile
+        try:
+            if os.fstat(copy).st_ino != inode:
+                continue  # the descriptor number was reused for another file
+            with socket.socket(fileno=copy) as sock:
+                copy = -1  # the socket object owns (and closes) the copy now
+                sock.shutdown(socket.SHUT_RDWR)
+                done += 1
+        except OSError:
+            pass
+        finally:
+            if copy >= 0:
+                os.close(copy)
+    return done
+
+
+def post_listeners(store: Any, rank: int, listeners: Collection[Endpoint]) -> None:
+    """Post ``listeners`` (this rank's gloo listeners) on the launch's ``store``, where the other
+    ranks' :func:`read_listeners` finds them: one write, no wait; a store error is ignored (abort
+    then shuts down fewer connections)."""
+    with contextlib.suppress(Exception):
+        store.set(f"listeners/{rank}", json.dumps(sorted(listeners)))
+
+
+def read_listeners(store: Any, rank: int, world_size: int, timeout: float) -> list[Endpoint] | None:
+    """Return the gloo listeners every other rank posted on the launch's ``store``, read on a new
+    connection in a helper thread within ``timeout`` seconds (the calling thread's own store
+    connection may be busy in a hung call). Returns None when the store did not answer in time or
+    could not be read (e.g. a store that cannot be cloned)."""
+    box: list[Endpoint] = []
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            fresh = store.clone()
+            keys = [
+                f"listeners/{r}" for r in range(world_size) if r != rank and fresh.check([f"listeners/{r}"])
+            ]
+            for value in fresh.multi_get(keys) if keys else []:
+                box.extend((address, int(port)) for address, port in json.loads(value))
+        except Exception as exc:  # a store that cannot be cloned or read: the caller is told
+            failed.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=read, name="parallelctx-abort", daemon=True).start()
+    return box if done.wait(timeout) and not failed else None
+
+
+def abort_groups(groups: Collection[Any], include_default: bool) -> None:
+    """Call ``abort()`` on each distinct group of ``groups`` (None skipped), and on the default
+    group when ``include_default`` and it exists: NCCL ends its communicators; gloo, which does
+    not implement abort, does nothing (:func:`shut_down` ends its collectives). A group that
+    fails to abort is logged; returns None."""
+    import torch.distributed as dist
+
+    distinct: dict[int, Any] = {id(g): g for g in groups if g is not None}
+    if include_default and dist.is_initialized() and dist.group.WORLD is not None:
+        distinct[id(dist.group.WORLD)] = dist.group.WORLD
+    for g in distinct.values():
+        try:
+            g.abort()
+        except Exception:
+            logging.getLogger("parallelctx").exception("parallelctx: abort of process group %r failed", g)

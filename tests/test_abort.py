@@ -1,0 +1,61 @@
+"""parallelctx.abort finds the connections of given listeners in this process and shuts them
+down, and nothing else (what gpc.abort() does to gloo groups; the multi-process case, a hung
+all-reduce ended by gpc.abort(), is in tests/test_elastic.py under the faults marker)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from parallelctx import abort
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def pair(listener: socket.socket) -> tuple[socket.socket, socket.socket]:
+    client = socket.create_connection(listener.getsockname()[:2], timeout=5)
+    served, _ = listener.accept()
+    return client, served
+
+
+def test_the_connections_of_a_new_listener_are_shut_down_and_no_others() -> None:
+    before = set(abort.listening())
+    gloo_like, other = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    try:
+        ours = abort.new_listeners(before, exclude_ports=[other.getsockname()[1]])
+        assert [port for _, port in ours] == [gloo_like.getsockname()[1]]
+        client, served = pair(gloo_like)
+        keep_client, keep_served = pair(other)
+        client.settimeout(5)
+        keep_client.settimeout(0.2)
+        assert abort.shut_down(ours) == 2  # the accepted end and the connecting end
+        start = time.monotonic()
+        assert client.recv(1) == b""  # a reader waiting on it sees the end at once
+        assert time.monotonic() - start < 1
+        keep_served.sendall(b"x")
+        assert keep_client.recv(1) == b"x"  # the other listener's connection still works
+        for s in (client, served, keep_client, keep_served):
+            s.close()
+    finally:
+        gloo_like.close()
+        other.close()
+
+
+def test_listeners_posted_on_a_store_are_read_back() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    kv = dist.PrefixStore("parallelctx/launch-1/", server)
+    abort.post_listeners(kv, 1, [("0100007F", 4000)])
+    abort.post_listeners(kv, 2, [("0100007F", 4001), ("00000000", 4002)])
+    got = abort.read_listeners(kv, 0, 4, timeout=5)  # rank 3 posted nothing
+    assert sorted(got or []) == [("00000000", 4002), ("0100007F", 4000), ("0100007F", 4001)]
+
+
+def test_a_store_that_cannot_be_read_gives_none_at_once() -> None:
+    start = time.monotonic()
+    assert abort.read_listeners(object(), 0, 2, timeout=5) is None
+    assert time.monotonic() - start < 1
