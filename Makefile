@@ -13,7 +13,9 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml requirements/constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[test,bench,lint]'
+	$(PIP) -e '.[test,bench,lint,torchtitan]'
+	# torchtitan without its dependencies (datasets, wandb, ...), which parallelctx.torchtitan does not need
+	$(PIP) --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 demo: $(STAMP)

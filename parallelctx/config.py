@@ -42,6 +42,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "ConfigLike",
+    "DataConfig",
     "DistConfig",
     "ExpertConfig",
     "ParallelConfig",
@@ -182,6 +183,55 @@ class ExpertConfig(AxisConfig):
         return None if value is None else _strict_int(value, "tensor", 1)
 
 
+class DataConfig(BaseModel):
+    """The data axis: ``data=4`` (a checked size), or HSDP's split of it,
+    ``data=dict(replicate=2)`` or ``data=dict(replicate=2, shard=4)``.
+
+    ``replicate`` is the outer part (torchtitan's ``dp_replicate``: FSDP2's replicas), ``shard``
+    the inner part (``dp_shard``: the ranks that shard the parameters), so data = replicate ×
+    shard. ``size`` and ``shard`` are derived from the world when absent and checked against it
+    at launch when given; every value is a plain positive int.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: int | None = None
+    replicate: int = 1
+    shard: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _int_or_dict(cls, value: Any) -> Any:
+        if isinstance(value, (cls, Mapping)):
+            return _only_known_keys("parallel.data", value, tuple(cls.model_fields))
+        number = _as_int(value)
+        if number is None:
+            raise ValueError(
+                f"parallel.data={_shown(value)} is of type {type(value).__name__}; give the data size "
+                "as an int (data=4) or its HSDP split as a dict (data=dict(replicate=2, shard=4))"
+            )
+        return {"size": number}
+
+    @field_validator("size", "shard", mode="before")
+    @classmethod
+    def _positive_int_or_none(cls, value: Any, info: Any) -> int | None:
+        return None if value is None else _strict_int(value, info.field_name, 1)
+
+    @field_validator("replicate", mode="before")
+    @classmethod
+    def _positive_int(cls, value: Any) -> int:
+        return _strict_int(value, "replicate", 1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataConfig:
+        if self.size is not None and self.shard is not None and self.size != self.replicate * self.shard:
+            raise ValueError(
+                f"parallel.data: size={self.size} is not replicate={self.replicate} x shard={self.shard}"
+                f" = {self.replicate * self.shard}; give two of the three"
+            )
+        return self
+
+
 def _only_known_keys(section: str, value: Any, fields: tuple[str, ...]) -> Any:
     """Return ``value``; raise ValueError for a key of a mapping ``value`` that ``section`` does not
     have (the message suggests the closest valid key)."""
@@ -195,7 +245,8 @@ def _only_known_keys(section: str, value: Any, fields: tuple[str, ...]) -> Any:
 class ParallelConfig(BaseModel):
     """The ``parallel`` section: sizes of the tensor, pipeline, context and expert axes and the
     rank order string. The data size is derived (``world / (tensor*pipeline*context)``); when
-    ``data`` is given it is checked against that at launch."""
+    ``data`` is given it is checked against that at launch. ``data=dict(replicate=R, shard=S)``
+    splits the data axis for HSDP (:class:`DataConfig`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -203,7 +254,7 @@ class ParallelConfig(BaseModel):
     pipeline: AxisConfig = AxisConfig()
     context: AxisConfig = AxisConfig()
     expert: ExpertConfig = ExpertConfig()
-    data: int | None = None
+    data: DataConfig = DataConfig()
     order: StrictStr = DEFAULT_ORDER
 
     @model_validator(mode="before")
@@ -223,8 +274,8 @@ class ParallelConfig(BaseModel):
 
     @field_validator("data", mode="before")
     @classmethod
-    def _data_int(cls, value: Any) -> int | None:
-        return None if value is None else _strict_int(value, "data", 1)
+    def _data_int_or_dict(cls, value: Any) -> Any:
+        return DataConfig() if value is None else value
 
     @field_validator("order")
     @classmethod
@@ -248,9 +299,11 @@ class ParallelConfig(BaseModel):
             The validated Layout.
 
         Raises:
-            LayoutError: the sizes do not fit ``world_size``, or ``data`` is given and differs
-                from the derived data size; the message names the values and the fix.
+            LayoutError: the sizes do not fit ``world_size``, ``data`` (or ``data.shard``) is
+                given and differs from the derived size, or ``data.replicate`` does not divide
+                the data size; the message names the values and the fix.
         """
+        data = self.data
         layout = Layout(
             world_size,
             tensor=self.tensor.size,
@@ -259,11 +312,18 @@ class ParallelConfig(BaseModel):
             expert=self.expert.size,
             expert_tensor=self.expert.tensor,
             order=self.order,
+            replicate=data.replicate,
         )
-        if self.data is not None and self.data != layout.data:
+        if data.size is not None and data.size != layout.data:
             raise LayoutError(
-                f"parallel.data={self.data} but world_size={world_size} / (tensor x pipeline x "
+                f"parallel.data={data.size} but world_size={world_size} / (tensor x pipeline x "
                 f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
+            )
+        if data.shard is not None and data.shard != layout.shard:
+            raise LayoutError(
+                f"parallel.data.shard={data.shard} but world_size={world_size} / (tensor x pipeline x "
+                f"context x replicate={data.replicate}) = {layout.shard}; drop shard (it is derived) "
+                "or fix the sizes"
             )
         return layout
 

@@ -63,6 +63,11 @@ class ParallelContext:
     expert_data: ModeView
     expert_tensor_and_expert: ModeView
     expert_model: ModeView
+    data_shard: ModeView
+    data_replicate: ModeView
+    data_shard_context: ModeView
+    expert_data_shard: ModeView
+    expert_data_replicate: ModeView
 
     def __init__(self) -> None:
         # Stores, launch counter and adopted group names: kept across destroy() for relaunches.

@@ -14,6 +14,14 @@ Two grids share the world:
 
 Both grids use the same order string, and their pipeline groups must coincide (Megatron-core's
 rule), so a pipeline stage holds the same ranks in both.
+
+The data axis of each grid is split in two for HSDP (torchtitan's ``dp_replicate × dp_shard``):
+the **shard** part is its inner (faster-varying) part and the **replicate** part its outer one,
+so with ``replicate=R`` the ``dp`` token stands for the sub-axes ``dps`` (size ``D/R``, stride of
+``dp``) and ``dpr`` (size ``R``) next to each other. In the expert grid the same ``R`` splits the
+expert-data size: expert shard ``ED/R``, expert replicate ``R``. With ``R = 1`` (the default)
+nothing changes. The default order then equals torchtitan's mesh
+``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` read slowest first.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from .limits import MAX_WORLD_SIZE
 __all__ = [
     "AXES",
     "DEFAULT_ORDER",
+    "HSDP_MODES",
     "MAX_WORLD_SIZE",
     "MODE_ALIASES",
     "Layout",
@@ -63,9 +72,19 @@ MODE_ALIASES: dict[str, str] = {
     "etp": "expert_tensor",
     "edp": "expert_data",
     "world": "global",
+    # the HSDP parts, by their device-mesh and torchtitan names
+    "dp_shard": "data_shard",
+    "dp_replicate": "data_replicate",
+    "dp_shard_cp": "data_shard_context",
+    "fsdp": "data_shard_context",
+    "dp_cp": "data_context",
+    "edp_shard": "expert_data_shard",
+    "efsdp": "expert_data_shard",
+    "edp_replicate": "expert_data_replicate",
 }
 """Other names of modes, accepted wherever a mode is (in any case): the order string's tokens,
-the expert mesh's dim names, and ``world`` (the name of ``gpc.world``)."""
+the device meshes' dim names (``dp_shard``, ``edp_replicate``, ...), torchtitan's ``fsdp`` and
+``efsdp``, and ``world`` (the name of ``gpc.world``)."""
 
 
 class LayoutError(ValueError):
@@ -92,6 +111,11 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
     EXPERT_DATA = "expert_data"
     EXPERT_TENSOR_AND_EXPERT = "expert_tensor_and_expert"
     EXPERT_MODEL = "expert_model"
+    DATA_SHARD = "data_shard"
+    DATA_REPLICATE = "data_replicate"
+    DATA_SHARD_CONTEXT = "data_shard_context"
+    EXPERT_DATA_SHARD = "expert_data_shard"
+    EXPERT_DATA_REPLICATE = "expert_data_replicate"
 
     # Hash and print like the plain string, so dict lookups by "tensor" find ParallelMode.TENSOR.
     __hash__ = str.__hash__
@@ -127,25 +151,42 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
             ) from None
 
 
+HSDP_MODES: tuple[ParallelMode, ...] = (
+    ParallelMode.DATA_SHARD,
+    ParallelMode.DATA_REPLICATE,
+    ParallelMode.DATA_SHARD_CONTEXT,
+    ParallelMode.EXPERT_DATA_SHARD,
+    ParallelMode.EXPERT_DATA_REPLICATE,
+)
+"""The modes of the HSDP split of the data axes (``parallel.data=dict(replicate=R)``)."""
+
 # Member lookups (ParallelMode.TENSOR) at plain-attribute speed on Python 3.11.
 speed_up(ParallelMode)
 
 
 # Which grid and which axes each lattice mode spans. EMBEDDING is not a lattice: handled apart.
 _DENSE, _EXPERT = "dense", "expert"
+# Grid axes: the order-string tokens, with "dp" split into its shard ("dps", inner) and replicate
+# ("dpr", outer) parts.
+_DP = ("dps", "dpr")
 _MODE_AXES: dict[ParallelMode, tuple[str, tuple[str, ...]]] = {
-    ParallelMode.GLOBAL: (_DENSE, ("tp", "cp", "dp", "pp")),
+    ParallelMode.GLOBAL: (_DENSE, ("tp", "cp", *_DP, "pp")),
     ParallelMode.TENSOR: (_DENSE, ("tp",)),
     ParallelMode.PIPELINE: (_DENSE, ("pp",)),
-    ParallelMode.DATA: (_DENSE, ("dp",)),
+    ParallelMode.DATA: (_DENSE, _DP),
     ParallelMode.CONTEXT: (_DENSE, ("cp",)),
     ParallelMode.MODEL: (_DENSE, ("tp", "pp")),
-    ParallelMode.DATA_CONTEXT: (_DENSE, ("dp", "cp")),
+    ParallelMode.DATA_CONTEXT: (_DENSE, (*_DP, "cp")),
     ParallelMode.EXPERT: (_EXPERT, ("ep",)),
     ParallelMode.EXPERT_TENSOR: (_EXPERT, ("tp",)),
-    ParallelMode.EXPERT_DATA: (_EXPERT, ("dp",)),
+    ParallelMode.EXPERT_DATA: (_EXPERT, _DP),
     ParallelMode.EXPERT_TENSOR_AND_EXPERT: (_EXPERT, ("tp", "ep")),
     ParallelMode.EXPERT_MODEL: (_EXPERT, ("tp", "ep", "pp")),
+    ParallelMode.DATA_SHARD: (_DENSE, ("dps",)),
+    ParallelMode.DATA_REPLICATE: (_DENSE, ("dpr",)),
+    ParallelMode.DATA_SHARD_CONTEXT: (_DENSE, ("dps", "cp")),
+    ParallelMode.EXPERT_DATA_SHARD: (_EXPERT, ("dps",)),
+    ParallelMode.EXPERT_DATA_REPLICATE: (_EXPERT, ("dpr",)),
 }
 
 
@@ -246,7 +287,8 @@ class Layout:
 
     ``Layout(...)`` and :func:`plan` take the same arguments and both validate them (the rules
     are in :func:`plan`); ``expert_tensor=None`` means the tensor size, and the attribute always
-    holds the resolved int. Members of every group are listed in ascending global rank; a rank's
+    holds the resolved int. ``replicate`` is the outer (HSDP replicate) part of the data axis;
+    :attr:`shard` the inner part. Members of every group are listed in ascending global rank; a rank's
     local rank in a mode is its index in that list.
 
     Raises:
@@ -260,34 +302,42 @@ class Layout:
     expert: int = 1
     expert_tensor: int | None = None
     order: str = DEFAULT_ORDER
+    replicate: int = 1
     _etp: int = field(init=False, repr=False, compare=False)
+    _tokens: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _dense: _Grid = field(init=False, repr=False, compare=False)
     _expert: _Grid = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         sizes = _validated_sizes(
-            self.world_size, self.tensor, self.pipeline, self.context, self.expert, self.expert_tensor
+            self.world_size,
+            self.tensor,
+            self.pipeline,
+            self.context,
+            self.expert,
+            self.expert_tensor,
+            self.replicate,
         )
         for name, value in zip(
-            ("world_size", "tensor", "pipeline", "context", "expert", "expert_tensor"), sizes
+            ("world_size", "tensor", "pipeline", "context", "expert", "expert_tensor", "replicate"), sizes
         ):
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "_etp", sizes[-1])
+        object.__setattr__(self, "_etp", sizes[5])
         _check_axes_named(self)
         tokens = list(parse_order(self.order))
         for token in AXES:
             if token not in tokens:
                 tokens.append(token)
-        dense = {"tp": self.tensor, "cp": self.context, "ep": 1, "dp": self.data, "pp": self.pipeline}
-        expert = {
-            "tp": self._etp,
-            "cp": 1,
-            "ep": self.expert,
-            "dp": self.expert_data,
-            "pp": self.pipeline,
-        }
-        object.__setattr__(self, "_dense", _Grid(tuple(tokens), tuple(dense[t] for t in tokens)))
-        object.__setattr__(self, "_expert", _Grid(tuple(tokens), tuple(expert[t] for t in tokens)))
+        object.__setattr__(self, "_tokens", tuple(tokens))
+        # The grids split "dp" into its shard (inner) and replicate (outer) parts.
+        axes = tuple(a for t in tokens for a in (_DP if t == "dp" else (t,)))
+        r = self.replicate
+        dense = {"tp": self.tensor, "cp": self.context, "ep": 1, "pp": self.pipeline}
+        dense.update(dps=self.data // r, dpr=r)
+        expert = {"tp": self._etp, "cp": 1, "ep": self.expert, "pp": self.pipeline}
+        expert.update(dps=self.expert_data // r, dpr=r)
+        object.__setattr__(self, "_dense", _Grid(axes, tuple(dense[a] for a in axes)))
+        object.__setattr__(self, "_expert", _Grid(axes, tuple(expert[a] for a in axes)))
         _check_pipelines_coincide(self)
 
     # ----------------------------------------------------------------------------- sizes
@@ -302,9 +352,19 @@ class Layout:
         return self.world_size // (self._etp * self.expert * self.pipeline)
 
     @property
+    def shard(self) -> int:
+        """The data-shard size (the inner part of the data axis), ``data / replicate``."""
+        return self.data // self.replicate
+
+    @property
+    def expert_shard(self) -> int:
+        """The expert-data shard size, ``expert_data / replicate`` (torchtitan's ``efsdp``)."""
+        return self.expert_data // self.replicate
+
+    @property
     def tokens(self) -> tuple[str, ...]:
         """The full order, fastest-varying first, with unnamed axes of size 1 appended."""
-        return self._dense.tokens
+        return self._tokens
 
     def size(self, mode: ParallelMode | str) -> int:
         """Return the number of ranks in each group of ``mode``.
@@ -396,8 +456,9 @@ class Layout:
         return grid.signature(axes)
 
     def axis_size(self, axis: str) -> int:
-        """Return the size of a coordinate axis: ``tp``, ``cp``, ``dp``, ``pp`` (dense grid) or
-        ``etp``, ``ep``, ``edp`` (expert grid), the keys of :meth:`coords`.
+        """Return the size of a coordinate axis: ``tp``, ``cp``, ``dp``, ``pp``,
+        ``dp_replicate``, ``dp_shard`` (dense grid) or ``etp``, ``ep``, ``edp``,
+        ``edp_replicate``, ``edp_shard`` (expert grid), the keys of :meth:`coords`.
 
         Raises:
             LayoutError: an unknown axis name.
@@ -410,6 +471,10 @@ class Layout:
             "etp": self._etp,
             "ep": self.expert,
             "edp": self.expert_data,
+            "dp_replicate": self.replicate,
+            "dp_shard": self.shard,
+            "edp_replicate": self.replicate,
+            "edp_shard": self.expert_shard,
         }
         if axis not in sizes:
             raise LayoutError(f"axis={axis!r} must be one of {', '.join(sizes)}")
@@ -420,7 +485,9 @@ class Layout:
 
         Keys ``tp``, ``cp``, ``dp``, ``pp`` are the dense-grid coordinates; ``etp``, ``ep``
         and ``edp`` the expert-tensor, expert and expert-data coordinates. In each grid
-        ``rank == sum(coord * stride)`` with the strides of :meth:`strides`.
+        ``rank == sum(coord * stride)`` with the strides of :meth:`strides`. The data
+        coordinates split as ``dp == dp_replicate * shard + dp_shard`` (and ``edp`` likewise
+        into ``edp_replicate`` and ``edp_shard``).
 
         Raises:
             LayoutError: ``rank`` outside ``[0, world_size)``.
@@ -431,15 +498,23 @@ class Layout:
         return {
             "tp": dense["tp"],
             "cp": dense["cp"],
-            "dp": dense["dp"],
+            "dp": dense["dpr"] * self.shard + dense["dps"],
             "pp": dense["pp"],
             "etp": expert["tp"],
             "ep": expert["ep"],
-            "edp": expert["dp"],
+            "edp": expert["dpr"] * self.expert_shard + expert["dps"],
+            "dp_replicate": dense["dpr"],
+            "dp_shard": dense["dps"],
+            "edp_replicate": expert["dpr"],
+            "edp_shard": expert["dps"],
         }
 
     def strides(self, grid: str = "dense") -> dict[str, int]:
         """Return the stride of each axis token in the ``"dense"`` or ``"expert"`` grid.
+
+        The keys are the order-string tokens; ``dp`` is the stride of the data axis (of its
+        shard part), and ``dp_replicate`` the stride of its replicate part
+        (``dp_shard`` equals ``dp``).
 
         Raises:
             LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``.
@@ -447,11 +522,23 @@ class Layout:
         if grid not in (_DENSE, _EXPERT):
             raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
         g = self._dense if grid == _DENSE else self._expert
-        return dict(zip(g.tokens, g.strides))
+        by_axis = dict(zip(g.tokens, g.strides))
+        out = {t: by_axis["dps" if t == "dp" else t] for t in self._tokens}
+        out["dp_shard"] = by_axis["dps"]
+        out["dp_replicate"] = by_axis["dpr"]
+        return out
 
     def modes(self) -> list[ParallelMode]:
         """Return every mode this layout describes, in a fixed order (GLOBAL first)."""
         return list(ParallelMode)
+
+    def shown_modes(self) -> list[ParallelMode]:
+        """Return the modes worth showing a reader (``plan``'s table and picture): every mode,
+        except the HSDP parts (:data:`HSDP_MODES`) when ``replicate`` is 1, where they repeat
+        DATA, DATA_CONTEXT and EXPERT_DATA or have size 1."""
+        if self.replicate > 1:
+            return self.modes()
+        return [m for m in self.modes() if m not in HSDP_MODES]
 
     def to_dict(self) -> dict[str, list[list[int]]]:
         """Return ``{mode name: groups}`` for every mode, mode names lower-case."""
@@ -464,6 +551,8 @@ class Layout:
     def describe(self) -> str:
         """Return a one-line summary such as ``world=8 tp=2 cp=1 dp=2 pp=2 order=tp-cp-ep-dp-pp``."""
         text = f"world={self.world_size} tp={self.tensor} cp={self.context} dp={self.data} pp={self.pipeline}"
+        if self.replicate > 1:
+            text += f" dp_replicate={self.replicate} dp_shard={self.shard}"
         if self.expert > 1 or self._etp != self.tensor:
             text += f" ep={self.expert} etp={self._etp} edp={self.expert_data}"
         return text + f" order={self.order}"
@@ -482,11 +571,15 @@ def plan(
     expert: int = 1,
     expert_tensor: int | None = None,
     order: str = DEFAULT_ORDER,
+    replicate: int = 1,
 ) -> Layout:
     """Compute the rank layout of a world; pure and torch-free.
 
     ``data = world_size / (tensor * pipeline * context)`` is derived. ``expert_tensor``
     defaults to ``tensor``; ``expert_data = world_size / (expert_tensor * expert * pipeline)``.
+    ``replicate`` splits the data axis for HSDP: replicate (outer) × shard (inner), shard =
+    ``data / replicate``; the expert-data axis splits the same way (expert shard =
+    ``expert_data / replicate``).
     ``world_size`` may be at most :data:`MAX_WORLD_SIZE` (2**24 = 16,777,216).
 
     Returns:
@@ -496,16 +589,22 @@ def plan(
         LayoutError: a size that is not a positive integer, a world larger than
             :data:`MAX_WORLD_SIZE`, a size product that does not divide ``world_size``, an order
             string with an unknown or repeated token, an axis of size > 1 that the order string
-            leaves out, or an expert layout whose pipeline groups
+            leaves out, a ``replicate`` that does not divide the data or expert-data size, or an expert layout whose pipeline groups
             differ from the dense ones (the rules Megatron-core enforces). The message names the
             values and the fix.
     """
-    return Layout(world_size, tensor, pipeline, context, expert, expert_tensor, order)
+    return Layout(world_size, tensor, pipeline, context, expert, expert_tensor, order, replicate)
 
 
 def _validated_sizes(
-    world_size: Any, tensor: Any, pipeline: Any, context: Any, expert: Any, expert_tensor: Any
-) -> tuple[int, int, int, int, int, int]:
+    world_size: Any,
+    tensor: Any,
+    pipeline: Any,
+    context: Any,
+    expert: Any,
+    expert_tensor: Any,
+    replicate: Any = 1,
+) -> tuple[int, int, int, int, int, int, int]:
     """The sizes as plain ints, ``expert_tensor`` resolved; raises LayoutError (see :func:`plan`)."""
     expert_tensor = tensor if expert_tensor is None else expert_tensor
     for name, value in (
@@ -515,10 +614,11 @@ def _validated_sizes(
         ("context", context),
         ("expert", expert),
         ("expert_tensor", expert_tensor),
+        ("replicate", replicate),
     ):
         _check_size(name, value)
-    world_size, tensor, pipeline, context, expert, expert_tensor = (
-        int(v) for v in (world_size, tensor, pipeline, context, expert, expert_tensor)
+    world_size, tensor, pipeline, context, expert, expert_tensor, replicate = (
+        int(v) for v in (world_size, tensor, pipeline, context, expert, expert_tensor, replicate)
     )
     if world_size > MAX_WORLD_SIZE:
         raise LayoutError(
@@ -538,7 +638,19 @@ def _validated_sizes(
             f"{expert_model} does not divide world_size={world_size}; choose expert, expert_tensor "
             f"and pipeline sizes whose product divides the world size"
         )
-    return world_size, tensor, pipeline, context, expert, expert_tensor
+    data, expert_data = world_size // model, world_size // expert_model
+    if data % replicate:
+        raise LayoutError(
+            f"replicate={replicate} does not divide the data size {data} (world_size={world_size} / "
+            f"(tensor x pipeline x context = {model})); choose a replicate size that divides it"
+        )
+    if expert_data % replicate:
+        raise LayoutError(
+            f"replicate={replicate} does not divide the expert-data size {expert_data} "
+            f"(world_size={world_size} / (expert_tensor x expert x pipeline = {expert_model})); "
+            f"choose a replicate size that divides both the data and expert-data sizes"
+        )
+    return world_size, tensor, pipeline, context, expert, expert_tensor, replicate
 
 
 def _check_axes_named(layout: Layout) -> None:

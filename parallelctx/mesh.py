@@ -2,15 +2,23 @@
 
 The mesh is built from the process groups parallelctx already made, with
 ``DeviceMesh.from_group``, so building it (and slicing it, ``mesh["tp"]``) creates no process
-group. Its dimensions are the *enabled* axes (size > 1), slowest-varying first as the order
-string puts them. Every axis is a dimension, size 1 included:
+group. Its dimensions are the axes slowest-varying first as the order string puts them, the data
+axis split into its HSDP parts (replicate outer, shard inner). Every axis is a dimension, size 1
+included:
 
-* dense mesh (``gpc.device_mesh``): ``pp``, ``dp``, ``cp``, ``tp`` (PIPELINE, DATA, CONTEXT,
-  TENSOR). With the default order ``"tp-cp-ep-dp-pp"`` the dims are ``("pp", "dp", "cp", "tp")``;
-  with ``"tp-pp-dp"`` they are ``("cp", "dp", "pp", "tp")`` (axes the order string does not
-  name come slowest; they have size 1).
-* expert mesh (``gpc.expert_device_mesh``): ``pp``, ``edp``, ``ep``, ``etp``
-  (PIPELINE, EXPERT_DATA, EXPERT, EXPERT_TENSOR), in the same order.
+* dense mesh (``gpc.device_mesh``): ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``
+  (PIPELINE, DATA_REPLICATE, DATA_SHARD, CONTEXT, TENSOR). With the default order
+  ``"tp-cp-ep-dp-pp"`` the dims are ``("pp", "dp_replicate", "dp_shard", "cp", "tp")``, torchtitan's
+  dense mesh; with ``"tp-pp-dp"`` they are ``("cp", "dp_replicate", "dp_shard", "pp", "tp")`` (axes
+  the order string does not name come slowest; they have size 1).
+* expert mesh (``gpc.expert_device_mesh``): ``pp``, ``edp_replicate``, ``edp_shard``, ``ep``,
+  ``etp`` (PIPELINE, EXPERT_DATA_REPLICATE, EXPERT_DATA_SHARD, EXPERT, EXPERT_TENSOR), in the same
+  order.
+
+Flattened dimensions (:data:`FLAT_DIMS`: ``mesh["dp"]``, ``mesh["dp_cp"]``, ...) are registered on
+the root mesh over the mode's existing group too, the way ``DeviceMesh._flatten`` registers the
+groups it makes, so ``fully_shard(model, mesh=gpc.device_mesh["dp"])`` keeps working and no
+flattened dimension creates a group.
 
 A dimension of size 1 lies on the one-rank group that every size-1 mode shares, so
 ``mesh["tp"]`` works with tensor size 1 too and model code needs no guard.
@@ -32,24 +40,58 @@ from .layout import Layout, LayoutError, ParallelMode
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["MESH_DIMS", "MeshError", "MeshPlan", "build_device_mesh", "mesh_plan"]
+__all__ = [
+    "FLAT_DIMS",
+    "MESH_DIMS",
+    "MeshError",
+    "MeshPlan",
+    "build_device_mesh",
+    "mesh_plan",
+    "register_flat",
+]
 
-# Per grid: order-string token -> (mesh dimension name, the mode whose groups it uses).
-MESH_DIMS: dict[str, dict[str, tuple[str, ParallelMode]]] = {
+# Per grid: order-string token -> its mesh dimensions, slowest first, each
+# (mesh dimension name, the mode whose groups it uses, the key of its stride in Layout.strides).
+MESH_DIMS: dict[str, dict[str, tuple[tuple[str, ParallelMode, str], ...]]] = {
     "dense": {
-        "pp": ("pp", ParallelMode.PIPELINE),
-        "dp": ("dp", ParallelMode.DATA),
-        "cp": ("cp", ParallelMode.CONTEXT),
-        "tp": ("tp", ParallelMode.TENSOR),
+        "pp": (("pp", ParallelMode.PIPELINE, "pp"),),
+        "dp": (
+            ("dp_replicate", ParallelMode.DATA_REPLICATE, "dp_replicate"),
+            ("dp_shard", ParallelMode.DATA_SHARD, "dp_shard"),
+        ),
+        "cp": (("cp", ParallelMode.CONTEXT, "cp"),),
+        "tp": (("tp", ParallelMode.TENSOR, "tp"),),
     },
     "expert": {
-        "pp": ("pp", ParallelMode.PIPELINE),
-        "dp": ("edp", ParallelMode.EXPERT_DATA),
-        "ep": ("ep", ParallelMode.EXPERT),
-        "tp": ("etp", ParallelMode.EXPERT_TENSOR),
+        "pp": (("pp", ParallelMode.PIPELINE, "pp"),),
+        "dp": (
+            ("edp_replicate", ParallelMode.EXPERT_DATA_REPLICATE, "dp_replicate"),
+            ("edp_shard", ParallelMode.EXPERT_DATA_SHARD, "dp_shard"),
+        ),
+        "ep": (("ep", ParallelMode.EXPERT, "ep"),),
+        "tp": (("etp", ParallelMode.EXPERT_TENSOR, "tp"),),
     },
 }
 """Which axes each mesh has, the names of its dimensions and the modes behind them."""
+
+FLAT_DIMS: dict[str, dict[str, tuple[ParallelMode, tuple[str, ...]]]] = {
+    "dense": {
+        "dp": (ParallelMode.DATA, ("dp_replicate", "dp_shard")),
+        "dp_cp": (ParallelMode.DATA_CONTEXT, ("dp_replicate", "dp_shard", "cp")),
+        "dp_shard_cp": (ParallelMode.DATA_SHARD_CONTEXT, ("dp_shard", "cp")),
+        # torchtitan's names for the same groups
+        "batch": (ParallelMode.DATA, ("dp_replicate", "dp_shard")),
+        "loss": (ParallelMode.DATA_CONTEXT, ("dp_replicate", "dp_shard", "cp")),
+        "fsdp": (ParallelMode.DATA_SHARD_CONTEXT, ("dp_shard", "cp")),
+    },
+    "expert": {
+        "edp": (ParallelMode.EXPERT_DATA, ("edp_replicate", "edp_shard")),
+        "efsdp": (ParallelMode.EXPERT_DATA_SHARD, ("edp_shard",)),
+    },
+}
+"""Flattened dimensions of each mesh: name -> (the mode whose group it is, the dims it merges).
+Their ranks are the merged dims' ranks, so where the order string puts the dims apart (``cp``
+not next to ``dp``) a flattened dimension still holds the mode's group."""
 
 
 class MeshError(RuntimeError):
@@ -79,8 +121,8 @@ def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
     """Compute the mesh of ``layout``'s ``"dense"`` or ``"expert"`` grid; pure, no torch.
 
     The dimensions are every axis of the grid that the mesh covers (see :data:`MESH_DIMS`),
-    size 1 included, slowest-varying first. Rank ``r`` sits at the coordinates with
-    ``r == sum(coord * stride)`` for the grid's strides.
+    size 1 included, slowest-varying first (the data axis as replicate, then shard). Rank ``r``
+    sits at the coordinates with ``r == sum(coord * stride)`` for the grid's strides.
 
     Returns:
         The :class:`MeshPlan`.
@@ -91,20 +133,14 @@ def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
     if grid not in MESH_DIMS:
         raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
     strides = layout.strides(grid)
-    sizes = {token: layout.size(mode) for token, (_, mode) in MESH_DIMS[grid].items()}
-    dims = [t for t in reversed(layout.tokens) if t in MESH_DIMS[grid]]
-    shape = tuple(sizes[t] for t in dims)
+    dims = [d for t in reversed(layout.tokens) if t in MESH_DIMS[grid] for d in MESH_DIMS[grid][t]]
+    shape = tuple(layout.size(mode) for _, mode, _ in dims)
     ranks = np.zeros(shape, dtype=np.int64)
-    for axis, token in enumerate(dims):
+    for axis, (_, _, key) in enumerate(dims):
         view = [1] * len(dims)
-        view[axis] = sizes[token]
-        ranks = ranks + (np.arange(sizes[token], dtype=np.int64) * strides[token]).reshape(view)
-    return MeshPlan(
-        tuple(MESH_DIMS[grid][t][0] for t in dims),
-        shape,
-        tuple(MESH_DIMS[grid][t][1] for t in dims),
-        ranks,
-    )
+        view[axis] = shape[axis]
+        ranks = ranks + (np.arange(shape[axis], dtype=np.int64) * strides[key]).reshape(view)
+    return MeshPlan(tuple(d[0] for d in dims), shape, tuple(d[1] for d in dims), ranks)
 
 
 def _through(plan: MeshPlan, dim: int, rank: int) -> list[int]:
@@ -130,7 +166,8 @@ def build_device_mesh(
 
     Returns:
         A :class:`torch.distributed.device_mesh.DeviceMesh` on ``device_type`` whose
-        ``mesh[name].get_group()`` is ``groups[mode]`` for each dimension.
+        ``mesh[name].get_group()`` is ``groups[mode]`` for each dimension and each flattened
+        dimension of :data:`FLAT_DIMS`.
 
     Raises:
         LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``.
@@ -138,30 +175,94 @@ def build_device_mesh(
             slice through this rank (the groups were not made from this layout).
     """
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     plan = mesh_plan(layout, grid)
     dim_groups: list[Any] = []
     for dim, (name, mode) in enumerate(zip(plan.dim_names, plan.modes)):
-        group = groups.get(mode)
-        if group is None:
-            raise MeshError(
-                f"mesh dimension {name!r} ({mode.value}, size {plan.shape[dim]}) has no process "
-                f"group on rank {rank}; launch parallelctx (which makes it) before gpc.device_mesh"
-            )
-        members = dist.get_process_group_ranks(group)
-        expected = _through(plan, dim, rank)
-        if members != expected:
-            raise MeshError(
-                f"the {mode.value} group of rank {rank} holds ranks {members}, but mesh dimension "
-                f"{name!r} through rank {rank} is {expected}; the groups were not made from "
-                f"layout {layout.describe()}: relaunch with parallelctx.launch"
-            )
+        group = _checked_group(layout, groups, mode, name, rank, _through(plan, dim, rank))
         dim_groups.append(group)
-    return DeviceMesh.from_group(
+    mesh = DeviceMesh.from_group(
         dim_groups,
         device_type,
         mesh=torch.as_tensor(plan.ranks, dtype=torch.int),
         mesh_dim_names=plan.dim_names,
     )
+    for flat, (mode, merged) in FLAT_DIMS[grid].items():
+        in_order = tuple(sorted(merged, key=plan.dim_names.index))  # slicing wants mesh order
+        axes = [plan.dim_names.index(d) for d in in_order]
+        expected = sorted(_through_many(plan, axes, rank))
+        group = _checked_group(layout, groups, mode, flat, rank, expected)
+        register_flat(mesh, in_order, flat, group)
+    return mesh
+
+
+def _checked_group(
+    layout: Layout,
+    groups: Mapping[ParallelMode, Any],
+    mode: ParallelMode,
+    name: str,
+    rank: int,
+    expected: list[int],
+) -> Any:
+    """``groups[mode]`` after checking its members are ``expected``; raises MeshError."""
+    import torch.distributed as dist
+
+    group = groups.get(mode)
+    if group is None:
+        raise MeshError(
+            f"mesh dimension {name!r} ({mode.value}, size {len(expected)}) has no process "
+            f"group on rank {rank}; launch parallelctx (which makes it) before gpc.device_mesh"
+        )
+    members = dist.get_process_group_ranks(group)
+    if members != expected:
+        raise MeshError(
+            f"the {mode.value} group of rank {rank} holds ranks {members}, but mesh dimension "
+            f"{name!r} through rank {rank} is {expected}; the groups were not made from "
+            f"layout {layout.describe()}: relaunch with parallelctx.launch"
+        )
+    return group
+
+
+def _through_many(plan: MeshPlan, dims: list[int], rank: int) -> list[int]:
+    """The ranks of the sub-mesh spanning ``dims`` through ``rank``."""
+    where = tuple(int(i) for i in np.argwhere(plan.ranks == rank)[0])
+    index: list[int | slice] = list(where)
+    for dim in dims:
+        index[dim] = slice(None)
+    return plan.ranks[tuple(index)].ravel().tolist()
+
+
+def register_flat(mesh: DeviceMesh, dims: tuple[str, ...], name: str, group: Any) -> DeviceMesh:
+    """Register ``group`` as the flattened dimension ``name`` of ``mesh``'s dims ``dims`` and
+    return the flattened 1-d mesh; no process group is created.
+
+    It does what ``mesh[dims]._flatten(name)`` does, except that the group is given instead of
+    made: the flattened mesh is kept in the root mesh's flatten mapping, so ``mesh[name]`` and
+    ``mesh[name].get_group()`` find it. The caller checks that ``group`` holds the ranks of
+    ``mesh[dims]`` through this rank (:func:`build_device_mesh` does). Relies on torch's private
+    ``DeviceMesh`` fields (``_layout``, ``_flatten_mapping``, ``_pg_registry``), the same ones
+    ``_flatten`` sets; tests/test_mesh.py checks them on the pinned torch.
+
+    Raises:
+        KeyError: ``dims`` names no dimensions of ``mesh``.
+        ValueError: ``name`` is already one of ``mesh``'s dimension names.
+    """
+    from torch.distributed.device_mesh import DeviceMesh, _MeshLayout
+
+    root = mesh._get_root_mesh()
+    if name in (root.mesh_dim_names or ()):
+        raise ValueError(f"cannot flatten into {name!r}: the mesh already has a dimension of that name")
+    sub = root[dims] if tuple(dims) != tuple(root.mesh_dim_names or ()) else root
+    flat = DeviceMesh(
+        root.device_type,
+        _layout=_MeshLayout([sub._layout.collapse()]),
+        _rank_map=root._rank_map,
+        mesh_dim_names=(name,),
+        _root_mesh=root,
+        _init_backend=False,
+    )
+    flat._dim_group_names = [group.group_name]
+    root._pg_registry[group.group_name] = group
+    root._flatten_mapping[name] = flat
+    return flat

@@ -74,6 +74,11 @@ STREAM_SLOTS: dict[Any, int] = {
     ParallelMode.EXPERT_DATA: 10,
     ParallelMode.EXPERT_TENSOR_AND_EXPERT: 11,
     ParallelMode.EXPERT_MODEL: 12,
+    ParallelMode.DATA_SHARD: 13,
+    ParallelMode.DATA_REPLICATE: 14,
+    ParallelMode.DATA_SHARD_CONTEXT: 15,
+    ParallelMode.EXPERT_DATA_SHARD: 16,
+    ParallelMode.EXPERT_DATA_REPLICATE: 17,
     REPLICA: 64,
 }
 
@@ -93,6 +98,12 @@ STREAM_AXES: dict[Any, tuple[str, ...]] = {
     ParallelMode.EXPERT_DATA: ("pp",),
     ParallelMode.EXPERT_TENSOR_AND_EXPERT: ("pp", "ep", "etp"),
     ParallelMode.EXPERT_MODEL: ("pp", "ep", "etp"),
+    # HSDP parts of the data axes: like DATA, one stream per pipeline stage.
+    ParallelMode.DATA_SHARD: ("pp",),
+    ParallelMode.DATA_REPLICATE: ("pp",),
+    ParallelMode.DATA_SHARD_CONTEXT: ("pp",),
+    ParallelMode.EXPERT_DATA_SHARD: ("pp",),
+    ParallelMode.EXPERT_DATA_REPLICATE: ("pp",),
     REPLICA: ("pp", "dp"),
 }
 

@@ -24,6 +24,7 @@ MODULES = [
     "mesh",
     "groups",
     "megatron",
+    "torchtitan",
     "rendezvous",
     "abort",
     "spawn",

@@ -78,3 +78,19 @@ def test_megatron_bridge_section_replaces_itself(tmp_path: Path) -> None:
     assert text.startswith("# Benchmark results\n\nbody\n")
     assert text.count(START) == text.count(END) == 1
     assert "| second |" in text and "| first |" not in text
+
+
+def test_torchtitan_bridge_table_takes_max_over_ranks_and_median_of_rounds() -> None:
+    from benchmarks.torchtitan_bridge import table
+
+    def rec(bridge: float, titan: float) -> dict:
+        one = {"first_collective_s": 1.0, "calls": 3, "joined": 4}
+        return {"bridge": {**one, "create_s": bridge}, "torchtitan": {**one, "create_s": titan, "calls": 10}}
+
+    ranks = [
+        {"2,4,1,1,1,1": [rec(0.1, 0.2), rec(0.1, 0.2), rec(0.3, 0.1)]},
+        {"2,4,1,1,1,1": [rec(0.2, 0.4), rec(0.1, 0.1), rec(0.1, 0.1)]},
+    ]
+    row = table(ranks).splitlines()[-1]
+    # per round, the slowest rank: bridge 0.2, 0.1, 0.3; torchtitan 0.4, 0.2, 0.1 -> ratios 0.5, 0.5, 3
+    assert row == "| 2, 4, 1, 1, 1, 1 | 200 ms | 200 ms | 0.50 | 1.00 | 3, 10 | 4, 4 |"

@@ -53,7 +53,20 @@ def test_verify_names_the_modes_of_a_wrong_layout() -> None:
     fabricated = plan(8, tensor=2, pipeline=2, order="tp-pp-dp")  # what it is checked against
     checks = {c.mode: c for c in verify(fabricated, {r: honest_probe(real, r) for r in range(8)})}
     failed = {mode for mode, c in checks.items() if not c.ok}
-    assert failed == {"pipeline", "data", "model", "data_context", "embedding", "expert_data", "expert_model"}
+    assert failed == {
+        "pipeline",
+        "data",
+        "model",
+        "data_context",
+        "embedding",
+        "expert_data",
+        "expert_model",
+    } | {
+        # the HSDP parts equal data, data_context and expert_data here (replicate 1): wrong with them
+        "data_shard",
+        "data_shard_context",
+        "expert_data_shard",
+    }
     assert "data.members on rank 0: got [0, 2], expected [0, 4]" in checks["data"].problems
     assert checks["tensor"].ok and checks["global"].ok
 

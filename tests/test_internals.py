@@ -29,7 +29,7 @@ TORCH_FREE = [
     "cli/picture",
 ]
 # Integrations: modules named after the library or torch feature they bridge (docs/internals.md).
-INTEGRATIONS = ["mesh", "checkpoint", "megatron"]
+INTEGRATIONS = ["mesh", "checkpoint", "megatron", "torchtitan"]
 
 
 def _imports(module: str) -> list[tuple[str, bool]]:
@@ -155,7 +155,7 @@ def test_every_table_covers_every_mode() -> None:
     assert set(_MODE_AXES) == modes - {ParallelMode.EMBEDDING}  # EMBEDDING is derived from PIPELINE
     assert modes <= set(STREAM_AXES) and modes <= set(STREAM_SLOTS)
     assert set(VIEW_NAMES) == modes
-    assert {mode for dims in MESH_DIMS.values() for _, mode in dims.values()} <= modes
+    assert {mode for grid in MESH_DIMS.values() for dims in grid.values() for _, mode, _ in dims} <= modes
 
 
 def test_fast_enum_reads_every_name_as_enum_does() -> None:
@@ -181,4 +181,4 @@ def test_fast_enum_reads_every_name_as_enum_does() -> None:
         repr(ParallelMode.TENSOR) == "<ParallelMode.TENSOR: 'tensor'>"
         and str(ParallelMode.TENSOR) == "tensor"
     )
-    assert ParallelMode.parse("data") is ParallelMode.DATA and len(ParallelMode) == 13
+    assert ParallelMode.parse("data") is ParallelMode.DATA and len(ParallelMode) == 18

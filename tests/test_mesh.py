@@ -20,55 +20,74 @@ from probes import probe_group
 
 import parallelctx
 from parallelctx import LayoutError, ParallelMode, gpc, plan
-from parallelctx.mesh import MESH_DIMS, MeshError, build_device_mesh, mesh_plan
+from parallelctx.mesh import FLAT_DIMS, MESH_DIMS, MeshError, build_device_mesh, mesh_plan
 
 JOIN_TIMEOUT = 240.0
 
 
 # --------------------------------------------------------------------------- pure
-def test_default_order_dims_are_pp_dp_cp_tp() -> None:
+DENSE = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT = ("pp", "edp_replicate", "edp_shard", "ep", "etp")
+
+
+def test_default_order_dims_are_torchtitans() -> None:
     p = mesh_plan(plan(16, tensor=2, pipeline=2, context=2))
-    assert p.dim_names == ("pp", "dp", "cp", "tp")
-    assert p.shape == (2, 2, 2, 2)
-    assert p.ranks.tolist() == np.arange(16).reshape(2, 2, 2, 2).tolist()
-    assert p.modes == (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.CONTEXT, ParallelMode.TENSOR)
+    assert p.dim_names == DENSE
+    assert p.shape == (2, 1, 2, 2, 2)
+    assert p.ranks.tolist() == np.arange(16).reshape(2, 1, 2, 2, 2).tolist()
+    assert p.modes == (
+        ParallelMode.PIPELINE,
+        ParallelMode.DATA_REPLICATE,
+        ParallelMode.DATA_SHARD,
+        ParallelMode.CONTEXT,
+        ParallelMode.TENSOR,
+    )
+
+
+def test_hsdp_dims_split_the_data_axis() -> None:
+    # torchtitan's dense mesh: arange(W).reshape(pp, dp_replicate, dp_shard, cp, tp)
+    p = mesh_plan(plan(32, tensor=2, pipeline=2, replicate=2))
+    assert (p.dim_names, p.shape) == (DENSE, (2, 2, 4, 1, 2))
+    assert p.ranks.tolist() == np.arange(32).reshape(2, 2, 4, 1, 2).tolist()
+    e = mesh_plan(plan(32, tensor=2, pipeline=2, replicate=2, expert=4, expert_tensor=1), "expert")
+    assert (e.dim_names, e.shape) == (EXPERT, (2, 2, 2, 4, 1))
 
 
 def test_internlm_order_puts_data_outermost() -> None:
     p = mesh_plan(plan(8, tensor=2, pipeline=2, order="tp-pp-dp"))
-    assert p.dim_names == ("cp", "dp", "pp", "tp")  # axes the order does not name (cp) come slowest
-    assert p.dim_groups(2) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # docs/layout.md's "tp-pp-dp" PIPELINE
-    assert p.dim_groups(1) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert p.dim_names == ("cp", "dp_replicate", "dp_shard", "pp", "tp")  # unnamed axes (cp) come slowest
+    assert p.dim_groups(3) == [[0, 2], [1, 3], [4, 6], [5, 7]]  # docs/layout.md's "tp-pp-dp" PIPELINE
+    assert p.dim_groups(2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
 def test_size_one_axes_are_dimensions_of_size_one() -> None:
-    assert mesh_plan(plan(8, tensor=2, pipeline=2)).shape == (2, 2, 1, 2)
-    assert mesh_plan(plan(8, tensor=8)).shape == (1, 1, 1, 8)
-    assert mesh_plan(plan(8)).shape == (1, 8, 1, 1)
+    assert mesh_plan(plan(8, tensor=2, pipeline=2)).shape == (2, 1, 2, 1, 2)
+    assert mesh_plan(plan(8, tensor=8)).shape == (1, 1, 1, 1, 8)
+    assert mesh_plan(plan(8)).shape == (1, 1, 8, 1, 1)
     p = mesh_plan(plan(8, context=4))
-    assert (p.dim_names, p.shape) == (("pp", "dp", "cp", "tp"), (1, 2, 4, 1))
-    assert p.dim_groups(3) == [[r] for r in range(8)]  # tp of size 1: each rank alone
+    assert (p.dim_names, p.shape) == (DENSE, (1, 1, 2, 4, 1))
+    assert p.dim_groups(4) == [[r] for r in range(8)]  # tp of size 1: each rank alone
 
 
 def test_world_of_one_has_every_dimension_of_size_one() -> None:
     p = mesh_plan(plan(1))
-    assert (p.dim_names, p.shape, p.ranks.ravel().tolist()) == (("pp", "dp", "cp", "tp"), (1, 1, 1, 1), [0])
+    assert (p.dim_names, p.shape, p.ranks.ravel().tolist()) == (DENSE, (1, 1, 1, 1, 1), [0])
     e = mesh_plan(plan(1), grid="expert")
-    assert e.dim_names == ("pp", "edp", "ep", "etp")
-    assert e.modes[1] is ParallelMode.EXPERT_DATA
+    assert e.dim_names == EXPERT
+    assert e.modes[2] is ParallelMode.EXPERT_DATA_SHARD
 
 
 def test_expert_mesh_dims() -> None:
     layout = plan(16, tensor=2, pipeline=2, expert=2, expert_tensor=1)
     p = mesh_plan(layout, grid="expert")
-    assert p.dim_names == ("pp", "edp", "ep", "etp")  # expert_tensor=1 is a dimension of size 1
-    assert p.shape == (2, 4, 2, 1)
+    assert p.dim_names == EXPERT  # expert_tensor=1 is a dimension of size 1
+    assert p.shape == (2, 1, 4, 2, 1)
 
 
 def test_docs_expert_mesh_example_with_pp_before_dp() -> None:
     layout = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1, order="tp-cp-ep-pp-dp")
-    assert mesh_plan(layout).dim_names == ("dp", "pp", "cp", "tp")
-    assert mesh_plan(layout, grid="expert").dim_names == ("edp", "pp", "ep", "etp")
+    assert mesh_plan(layout).dim_names == ("dp_replicate", "dp_shard", "pp", "cp", "tp")
+    assert mesh_plan(layout, grid="expert").dim_names == ("edp_replicate", "edp_shard", "pp", "ep", "etp")
 
 
 def test_bad_grid_is_named() -> None:
@@ -92,30 +111,44 @@ def test_every_dimension_matches_the_layout(order: str) -> None:
             for grid in ("dense", "expert"):
                 p = mesh_plan(layout, grid)
                 assert sorted(p.ranks.ravel().tolist()) == list(range(world))
-                every = [mode for _, mode in MESH_DIMS[grid].values()]
+                every = [mode for dims in MESH_DIMS[grid].values() for _, mode, _ in dims]
                 assert sorted(p.modes, key=str) == sorted(every, key=str)
                 for dim, mode in enumerate(p.modes):
                     assert p.dim_groups(dim) == layout.groups(mode), (layout.describe(), grid, mode)
                 # slowest first: strides along the dims of size > 1 decrease
-                strides = [layout.strides(grid)[t] for t, n in zip(_tokens(p, grid), p.shape) if n > 1]
+                strides = [layout.strides(grid)[k] for k, n in zip(_keys(p, grid), p.shape) if n > 1]
                 assert strides == sorted(strides, reverse=True)
             checked += 1
     assert checked > 50
 
 
-def _tokens(p: Any, grid: str) -> list[str]:
-    by_name = {name: token for token, (name, _) in MESH_DIMS[grid].items()}
+def _keys(p: Any, grid: str) -> list[str]:
+    by_name = {name: key for dims in MESH_DIMS[grid].values() for name, _, key in dims}
     return [by_name[name] for name in p.dim_names]
+
+
+def _dim_modes(grid: str) -> dict[str, ParallelMode]:
+    """Mesh dimension name -> its mode, flattened dimensions included."""
+    out = {name: mode for dims in MESH_DIMS[grid].values() for name, mode, _ in dims}
+    out.update({name: mode for name, (mode, _) in FLAT_DIMS[grid].items()})
+    return out
 
 
 def test_a_group_that_does_not_match_the_mesh_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     # rank 3 of W=8, tensor 2, pipeline 2: its tp slice is [2, 3]; pretend torch's group holds [3, 5].
     layout = plan(8, tensor=2, pipeline=2)
-    modes = (ParallelMode.PIPELINE, ParallelMode.DATA, ParallelMode.CONTEXT, ParallelMode.TENSOR)
+    modes = (
+        ParallelMode.PIPELINE,
+        ParallelMode.DATA_REPLICATE,
+        ParallelMode.DATA_SHARD,
+        ParallelMode.CONTEXT,
+        ParallelMode.TENSOR,
+    )
     groups = {mode: object() for mode in modes}
     members = {
         id(groups[ParallelMode.PIPELINE]): [3, 7],
-        id(groups[ParallelMode.DATA]): [1, 3],
+        id(groups[ParallelMode.DATA_REPLICATE]): [3],
+        id(groups[ParallelMode.DATA_SHARD]): [1, 3],
         id(groups[ParallelMode.CONTEXT]): [3],
         id(groups[ParallelMode.TENSOR]): [3, 5],
     }
@@ -157,7 +190,9 @@ def _mesh_worker(out_dir: str, expert_mesh: bool) -> None:
     meshes = {"dense": mesh}
     if expert_mesh:
         meshes["expert"] = gpc.expert_device_mesh
-    subs = {(grid, name): m[name] for grid, m in meshes.items() for name in m.mesh_dim_names}
+    names = {grid: [*m.mesh_dim_names, *FLAT_DIMS[grid]] for grid, m in meshes.items()}
+    subs = {(grid, name): m[name] for grid, m in meshes.items() for name in names[grid]}
+    hsdp = mesh["dp_replicate", "dp_shard"]
     groups_after = len(_world.pg_map)
     out: dict[str, Any] = {
         "rank": rank,
@@ -167,15 +202,16 @@ def _mesh_worker(out_dir: str, expert_mesh: bool) -> None:
         "shape": {grid: list(m.shape) for grid, m in meshes.items()},
         "coordinate": {grid: m.get_coordinate() for grid, m in meshes.items()},
         "dims": {},
+        "hsdp": {"names": list(hsdp.mesh_dim_names), "mesh": hsdp.mesh.tolist()},
     }
-    modes = {grid: dict(MESH_DIMS[grid].values()) for grid in meshes}
+    modes = {grid: _dim_modes(grid) for grid in meshes}
     for (grid, name), sub in subs.items():
         group = sub.get_group()
         members, order = _probe(group, world, rank)
         out["dims"][f"{grid}.{name}"] = {
             "members": members,
             "order": order,
-            "local_rank": meshes[grid].get_local_rank(name),
+            "local_rank": sub.get_local_rank(),
             "is_gpc_group": group is gpc.get_group(modes[grid][name]),
             "sub_mesh": sub.mesh.tolist(),
         }
@@ -240,7 +276,7 @@ def _check_dims(layout: Any, results: list[dict[str, Any]], grids: tuple[str, ..
             assert tuple(res["shape"][grid]) == p.shape
             where = [int(i) for i in np.argwhere(p.ranks == rank)[0]]
             assert res["coordinate"][grid] == where
-            for name, mode in zip(p.dim_names, p.modes):
+            for name, mode in _dim_modes(grid).items():
                 probe = res["dims"][f"{grid}.{name}"]
                 expected = layout.group_of(mode, rank)
                 assert probe["members"] == expected, (rank, grid, name)
@@ -275,7 +311,7 @@ def _check_dtensor(layout: Any, results: list[dict[str, Any]]) -> None:
         assert res["nd_full"] == _full(0, rows, cols).tolist()
 
 
-EIGHT = dict(tensor=2, pipeline=2, expert=dict(size=2, tensor=1))  # default order
+EIGHT = dict(tensor=2, data=dict(replicate=2, shard=2), expert=dict(size=2, tensor=1))  # default order
 
 
 @pytest.fixture(scope="module")
@@ -284,16 +320,22 @@ def eight_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]
     return _run(tmp_path_factory.mktemp("mesh8"), 8, EIGHT, expert_mesh=True)
 
 
-EIGHT_LAYOUT = plan(8, tensor=2, pipeline=2, expert=2, expert_tensor=1)
+EIGHT_LAYOUT = plan(8, tensor=2, replicate=2, expert=2, expert_tensor=1)
 
 
 def test_every_mesh_dimension_is_its_group_8_ranks(eight_ranks: list[dict[str, Any]]) -> None:
-    # cp (dense) and etp (expert) have size 1: dimensions on the one-rank group, probed like the rest
-    assert eight_ranks[0]["dim_names"] == {
-        "dense": ["pp", "dp", "cp", "tp"],
-        "expert": ["pp", "edp", "ep", "etp"],
-    }
+    # pp, cp (dense) and etp (expert) have size 1: dimensions on the one-rank group, probed like the
+    # rest; flattened dimensions (dp, dp_cp, fsdp, edp, efsdp...) are probed too
+    assert eight_ranks[0]["dim_names"] == {"dense": list(DENSE), "expert": list(EXPERT)}
     _check_dims(EIGHT_LAYOUT, eight_ranks, ("dense", "expert"))
+    for res in eight_ranks:
+        # the 2-d HSDP mesh FSDP2 takes: rows are replicas, columns the shard group
+        rank = res["rank"]
+        assert res["hsdp"]["names"] == ["dp_replicate", "dp_shard"]
+        rows = res["hsdp"]["mesh"]
+        assert [rows[0][0], rows[1][0]] == EIGHT_LAYOUT.group_of(ParallelMode.DATA_REPLICATE, rows[0][0])
+        assert sorted(r for row in rows for r in row) == EIGHT_LAYOUT.group_of(ParallelMode.DATA, rank)
+        assert any(row == EIGHT_LAYOUT.group_of(ParallelMode.DATA_SHARD, rank) for row in rows)
     assert all(r["missing_raise_keyerror"] == ["dense.etp", "expert.tp", "expert.cp"] for r in eight_ranks)
 
 
@@ -305,7 +347,7 @@ def test_device_mesh_over_the_world_group_2_ranks(tmp_path: Path) -> None:
     # tensor spans the world: gpc's TENSOR group is the default group, and so is the mesh's.
     results = _run(tmp_path, 2, dict(tensor=2), expert_mesh=False)
     layout = plan(2, tensor=2)
-    assert results[0]["dim_names"]["dense"] == ["pp", "dp", "cp", "tp"]
+    assert results[0]["dim_names"]["dense"] == list(DENSE)
     _check_dims(layout, results, ("dense",))
     _check_dtensor(layout, results)
 
@@ -331,8 +373,8 @@ def test_device_mesh_world_of_one(tmp_path: Path) -> None:
     parallelctx.spawn(_single_worker, 1, args=(str(tmp_path),), config={}, backend="gloo", join_timeout=60)
     res = json.loads(Path(tmp_path, "single.json").read_text())
     assert res == {
-        "names": ["pp", "dp", "cp", "tp"],
-        "shape": [1, 1, 1, 1],
+        "names": list(DENSE),
+        "shape": [1, 1, 1, 1, 1],
         "is_world": True,
         "local": _full(0, 4, 3).tolist(),
     }

@@ -1,7 +1,8 @@
 """The ``parallelctx`` command (also ``python -m parallelctx``): argument parsing and dispatch.
 
 parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert N]
-                 [--expert-tensor N] [--order S] [--config FILE] [--nproc-per-node G]
+                 [--expert-tensor N] [--replicate R] [--shard S] [--order S]
+                 [--config FILE] [--nproc-per-node G]
                  [--nodes N] [--json] [--output FILE] [--png FILE] [--svg FILE]
 parallelctx check [--config FILE] [--sizes 4KiB,1MiB,16MiB] [--json]   under a launcher
 parallelctx env [--json]     which launcher started this process and what it said
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=None)
     p.add_argument("--expert", type=int, default=None)
     p.add_argument("--expert-tensor", type=int, default=None, help="default: the tensor size")
+    p.add_argument("--replicate", type=int, default=None, help="HSDP: replicas of the data axis (outer part)")
+    p.add_argument(
+        "--shard", type=int, default=None, help="HSDP: shard size of the data axis (default: derived)"
+    )
     p.add_argument("--order", default=None, help=f"fastest axis first (default {DEFAULT_ORDER})")
     p.add_argument("--json", action="store_true", help="print {mode: groups} as JSON")
     p.add_argument("--output", default=None, metavar="FILE", help="write the full JSON to FILE")

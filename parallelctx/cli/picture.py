@@ -31,8 +31,9 @@ class PictureError(ValueError):
 
 def picture_modes(layout: Layout) -> list[ParallelMode]:
     """Return the modes that get a panel: every mode with groups of more than one rank, except
-    GLOBAL (one group of everything, which a panel would paint in a single colour)."""
-    return [m for m in layout.modes() if m is not ParallelMode.GLOBAL and layout.size(m) > 1]
+    GLOBAL (one group of everything, which a panel would paint in a single colour), and the HSDP
+    parts when there is no replication (:meth:`Layout.shown_modes`)."""
+    return [m for m in layout.shown_modes() if m is not ParallelMode.GLOBAL and layout.size(m) > 1]
 
 
 def _shade(index: int) -> int:

@@ -35,11 +35,15 @@ def _parallel(args: argparse.Namespace) -> ParallelConfig:
             expert_tensor=par.expert.tensor,
             order=par.order,
         )
-        data = par.data
+        data = par.data.model_dump()
     for key in ("tensor", "pipeline", "context", "expert", "expert_tensor", "order"):
         value = getattr(args, key)
         if value is not None:
             sizes[key] = value
+    for key in ("replicate", "shard"):  # HSDP split of the data axis
+        value = getattr(args, key, None)
+        if value is not None:
+            data = {**(data or {}), key: value}
     return ParallelConfig.model_validate(
         {
             "tensor": sizes["tensor"],

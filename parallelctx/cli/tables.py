@@ -51,7 +51,7 @@ def layout_table(layout: Layout, modes: list[ParallelMode] | None = None) -> Tab
     table.add_column("size", justify="right")
     table.add_column("groups", justify="right")
     table.add_column("members")
-    for mode in modes or layout.modes():
+    for mode in modes or layout.shown_modes():
         array = layout.group_array(mode)
         shown = _fmt_groups(array[:_MAX_GROUPS].tolist(), int(array.shape[0]))
         table.add_row(mode.value, str(array.shape[1]), str(array.shape[0]), shown)

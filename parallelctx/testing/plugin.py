@@ -53,7 +53,8 @@ class MarkerError(ValueError):
 
 
 def layout_id(layout: Mapping[str, Any]) -> str:
-    """The test id part for one entry of ``layouts=``: ``w4-tp2-pp2``, ``tp2-order-tp-pp-dp``.
+    """The test id part for one entry of ``layouts=``: ``w4-tp2-pp2``, ``tp2-order-tp-pp-dp``,
+    ``tp2-dpr2-dps2`` (``data=dict(replicate=2, shard=2)``).
 
     Returns:
         The id string.
@@ -62,6 +63,9 @@ def layout_id(layout: Mapping[str, Any]) -> str:
     for key, value in layout.items():
         if key == "order":
             parts.append(f"order-{value}")
+        elif key == "data" and isinstance(value, Mapping):  # dict(replicate=2, shard=4): dpr2-dps4
+            short = {"size": "dp", "replicate": "dpr", "shard": "dps"}
+            parts.extend(f"{short.get(k, k)}{v}" for k, v in value.items())
         elif key in _ABBREV:
             parts.append(f"{_ABBREV[key]}{value}")
         else:
@@ -116,7 +120,7 @@ def resolve_marker(
         ConfigError, pydantic.ValidationError: a bad ``config=``.
     """
     from parallelctx.config import Config
-    from parallelctx.layout import LayoutError, plan
+    from parallelctx.layout import LayoutError
 
     merged = dict(kwargs)
     if args:
@@ -169,21 +173,9 @@ def resolve_marker(
     cfg = Config(raw)
     par = cfg.parallel
     try:
-        layout_ = plan(
-            world_size,
-            tensor=par.tensor.size,
-            pipeline=par.pipeline.size,
-            context=par.context.size,
-            expert=par.expert.size,
-            expert_tensor=par.expert_tensor,
-            order=par.order,
-        )
+        par.to_layout(world_size)
     except LayoutError as exc:
         raise MarkerError(f"@pytest.mark.parallel(world_size={world_size}, ...): {exc}") from None
-    if par.data is not None and par.data != layout_.data:
-        raise MarkerError(
-            f"data={par.data} but world_size={world_size} leaves data={layout_.data}; drop data"
-        )
     return world_size, raw, float(timeout)
 
 
