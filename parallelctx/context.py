@@ -131,6 +131,8 @@ class ParallelContext:
         # before the groups were made, and the gloo listeners the launch added.
         self._launch_kv: Any = None
         self._listen_before: frozenset[int] | None = None
+        # Groups parallelctx made after launch (the Megatron bridge's): abort() covers them too.
+        self._later_groups: list[Any] = []
         self._listeners: list[_abort.Endpoint] = []
         for name in VIEW_NAMES.values():
             setattr(self, name, Unlaunched(name))
@@ -385,6 +387,12 @@ class ParallelContext:
         if self._launch_kv is not None:
             _abort.post_listeners(self._launch_kv, self._global_rank, self._listeners)
 
+    def _note_group(self, group: Any) -> None:
+        """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
+        bridge's groups): its gloo listener is posted for the other ranks at once."""
+        self._later_groups.append(group)
+        self._post_listeners()
+
     def abort(self, timeout: float = 2.0) -> int:
         """Abort every process group this context made, from any thread (a watchdog), without
         waiting on a collective that hangs: NCCL groups through ``ProcessGroup.abort()``, gloo
@@ -405,10 +413,12 @@ class ParallelContext:
         Raises:
             Nothing: a group that fails to abort is logged and the others are still aborted.
         """
-        groups = [*self._groups.values(), *self._cpu_groups.values()]
+        groups = [*self._groups.values(), *self._cpu_groups.values(), *self._later_groups]
         if not any(g is not None for g in groups):
             return 0
         _abort.abort_groups(groups, self._owns_default_group)
+        if self._listen_before is not None:  # this rank's listeners now, groups made later included
+            self._listeners = _abort.new_listeners(self._listen_before)
         peers: list[_abort.Endpoint] | None = []
         if self._launch_kv is not None:
             peers = _abort.read_listeners(self._launch_kv, self._global_rank, self._world_size, timeout)

@@ -406,6 +406,7 @@ class _Maker:
             )
             self.state.calls += 1
             self.state.created.append(group)
+            gpc._note_group(group)
             return group
         mine = None
         for row in every():
@@ -414,6 +415,7 @@ class _Maker:
             if self.rank in row:
                 mine = group
                 self.state.created.append(group)
+                gpc._note_group(group)
         return mine
 
 

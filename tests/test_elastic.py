@@ -233,3 +233,12 @@ def test_inprocess_restart_recipe(tmp_path: Path) -> None:
         )
     assert times["abort_to_raise_s"] < 5.0, times
     print({k: round(v, 2) for k, v in times.items() if isinstance(v, float)})
+
+
+def test_abort_ends_a_collective_on_a_group_the_megatron_bridge_made() -> None:
+    # Groups parallelctx makes after launch (install(create_all_gather_group=True)) are aborted too.
+    pytest.importorskip("megatron.core")
+    proc = run_torchrun(4, ["tests/torchrun_abort_megatron.py"], timeout=200)
+    raised = [line for line in proc.stdout.splitlines() if line.startswith("ABORT-")]
+    assert raised and raised[0].startswith("ABORT-RAISED"), proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert float(raised[0].split()[1]) < 15, raised  # rank 3 sleeps 30 s: it was the abort
