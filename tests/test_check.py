@@ -166,13 +166,15 @@ def _seed_probes(layout, seed_of) -> list[dict]:
     """What probe_seeds gathers when each stream is seeded with ``seed_of(rank, mode)``."""
     import torch
 
+    from parallelctx.seed import STREAMS
+
     out = []
     for rank in range(layout.world_size):
-        seeds = {m.value: seed_of(rank, m) for m in ParallelMode}
+        seeds = {str(m): seed_of(rank, m) for m in STREAMS}
         draws = {}
-        for mode in ParallelMode:
-            values = torch.rand(8, generator=torch.Generator().manual_seed(seeds[mode.value])).tolist()
-            draws[mode.value] = [values[:4], values[4:]]
+        for mode in STREAMS:
+            values = torch.rand(8, generator=torch.Generator().manual_seed(seeds[str(mode)])).tolist()
+            draws[str(mode)] = [values[:4], values[4:]]
         out.append({"rank": rank, "coords": layout.coords(rank), "seeds": seeds, "draws": draws})
     return out
 
@@ -191,3 +193,16 @@ def test_verify_seeds_catches_streams_that_draw_alike_despite_distinct_seeds() -
     errors = verify_seeds(layout, _seed_probes(layout, old))
     assert any("rank 0: these streams draw the same numbers" in e for e in errors), errors
     assert not any("share a seed" in e for e in errors)
+
+
+def test_verify_seeds_catches_a_replica_stream_shared_by_the_data_replicas() -> None:
+    from parallelctx.cli.verify import verify_seeds
+    from parallelctx.seed import REPLICA, mode_seed
+
+    layout = plan(8, tensor=2, pipeline=2)  # data groups of 2
+
+    def same_replicas(r, m):  # the replica stream seeded like the default one: equal across dp
+        return mode_seed(layout, r, "global" if m == REPLICA else m, 1024) + (7 if m == REPLICA else 0)
+
+    errors = verify_seeds(layout, _seed_probes(layout, same_replicas))
+    assert any("replica stream repeats within data group" in e for e in errors), errors

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from ..context import ParallelContext
 from ..layout import Layout, ParallelMode
+from ..seed import REPLICA, STREAMS
 
 __all__ = ["ModeCheck", "probe_groups", "probe_seeds", "problems", "verify", "verify_seeds"]
 
@@ -84,23 +85,24 @@ def probe_groups(ctx: ParallelContext) -> dict[str, dict[str, Any]]:
 
 
 def probe_seeds(ctx: ParallelContext) -> list[dict[str, Any]]:
-    """Draw from every mode's stream (twice, in two ``with`` blocks) and gather the draws.
+    """Draw from every stream (each mode's and ``"replica"``; twice, in two ``with`` blocks) and
+    gather the draws.
 
     Returns:
-        One entry per global rank: ``{"coords": ..., "seeds": {mode: seed},
-        "draws": {mode: [first 4 draws, next 4 draws]}, "default": 4 default-stream draws}``.
+        One entry per global rank: ``{"coords": ..., "seeds": {stream: seed},
+        "draws": {stream: [first 4 draws, next 4 draws]}}``.
     """
     draws: dict[str, list[list[float]]] = {}
-    for mode in ParallelMode:
-        with ctx.seed(mode):
+    for key in STREAMS:
+        with ctx.seed(key):
             first = torch.rand(_DRAWS).tolist()
-        with ctx.seed(mode):
+        with ctx.seed(key):
             second = torch.rand(_DRAWS).tolist()
-        draws[mode.value] = [first, second]
+        draws[str(key)] = [first, second]
     mine = {
         "rank": ctx.get_global_rank(),
         "coords": ctx.layout.coords(ctx.get_global_rank()),
-        "seeds": {mode.value: ctx.get_seed(mode) for mode in ParallelMode},
+        "seeds": {str(key): ctx.get_seed(key) for key in STREAMS},
         "draws": draws,
     }
     return _world_gather(ctx, mine)
@@ -183,6 +185,7 @@ def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
     * the TENSOR stream differs within a tensor group and agrees between ranks that differ
       only in their data coordinate;
     * the DATA stream agrees within a data group and differs between pipeline stages;
+    * the ``"replica"`` stream agrees within a tensor group and differs within a data group;
     * no two modes start from the same seed, or draw the same numbers, on one rank;
     * each stream continues where it stopped and matches a generator seeded with its seed.
 
@@ -192,8 +195,8 @@ def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
     errors: list[str] = []
     by_rank = {entry["rank"]: entry for entry in gathered}
 
-    def first(rank: int, mode: ParallelMode) -> list[float]:
-        return by_rank[rank]["draws"][mode.value][0]
+    def first(rank: int, mode: Any) -> list[float]:
+        return by_rank[rank]["draws"][str(mode)][0]
 
     for group in layout.groups(ParallelMode.TENSOR):
         defaults = {tuple(first(r, ParallelMode.GLOBAL)) for r in group}
@@ -207,6 +210,11 @@ def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
             errors.append(f"tensor stream differs between data replicas {group}")
         if len({tuple(first(r, ParallelMode.DATA)) for r in group}) != 1:
             errors.append(f"data stream differs within data group {group}")
+        if len({tuple(first(r, REPLICA)) for r in group}) != len(group):
+            errors.append(f"replica stream repeats within data group {group}")
+    for group in layout.groups(ParallelMode.TENSOR):
+        if len({tuple(first(r, REPLICA)) for r in group}) != 1:
+            errors.append(f"replica stream differs within tensor group {group}")
     for group in layout.groups(ParallelMode.PIPELINE):
         if len(group) > 1 and len({tuple(first(r, ParallelMode.DATA)) for r in group}) != len(group):
             errors.append(f"data stream repeats across the pipeline stages {group}")
@@ -215,17 +223,17 @@ def verify_seeds(layout: Layout, gathered: list[dict[str, Any]]) -> list[str]:
         if len(set(seeds)) != len(seeds):
             errors.append(f"rank {rank}: two modes share a seed: {entry['seeds']}")
         by_draw: dict[tuple[float, ...], list[str]] = {}
-        for mode in ParallelMode:  # distinct seeds are not enough: a generator may drop seed bits
-            by_draw.setdefault(tuple(first(rank, mode)), []).append(mode.value)
+        for key in STREAMS:  # distinct seeds are not enough: a generator may drop seed bits
+            by_draw.setdefault(tuple(first(rank, key)), []).append(str(key))
         alike = [names for names in by_draw.values() if len(names) > 1]
         if alike:
             errors.append(f"rank {rank}: these streams draw the same numbers: {alike}")
-        for mode in ParallelMode:
-            if mode is ParallelMode.GLOBAL:
+        for key in STREAMS:
+            if key is ParallelMode.GLOBAL:
                 continue  # the default stream also served the draws of the other probes
-            gen = torch.Generator().manual_seed(entry["seeds"][mode.value])
+            gen = torch.Generator().manual_seed(entry["seeds"][str(key)])
             expected = torch.rand(2 * _DRAWS, generator=gen).tolist()
-            got = entry["draws"][mode.value][0] + entry["draws"][mode.value][1]
+            got = entry["draws"][str(key)][0] + entry["draws"][str(key)][1]
             if got != expected:
-                errors.append(f"rank {rank}: {mode.value} stream does not continue from its seed")
+                errors.append(f"rank {rank}: {key} stream does not continue from its seed")
     return errors
