@@ -126,7 +126,7 @@ def _advance_every_stream() -> None:
             torch.rand(3)
 
 
-def _after_draws() -> list[torch.Tensor]:
+def after_draws() -> list[torch.Tensor]:
     """One draw from every stream, the default one first: where each stream stands."""
     out = [torch.rand(4)]
     for stream in STREAMS:
@@ -163,7 +163,7 @@ def train_step(region: Region, ck: Checkpoint | None, entry: Any, backward: Any)
             _advance_every_stream()
             (out**2).sum().backward()
     assert x.grad is not None and w.grad is not None
-    result = (out.detach(), x.grad, w.grad, _after_draws())
+    result = (out.detach(), x.grad, w.grad, after_draws())
     gpc.set_rng_state(start)
     return result
 

@@ -22,6 +22,7 @@ from rng_cases import (
     FORMS,
     OTHER_STREAM,
     TORCH_FORMS,
+    after_draws,
     entry_only_region,
     forking_region,
     nested_region,
@@ -66,15 +67,6 @@ def _nested(ck: Callable[..., Any], reentrant: bool) -> Callable[[torch.Tensor],
     return outer
 
 
-def _after_draws() -> list[torch.Tensor]:
-    """One draw from every stream: where each stream stands."""
-    out = [torch.rand(4)]
-    for stream in STREAMS:
-        with gpc.seed(stream):
-            out.append(torch.rand(4))
-    return out
-
-
 def _train_step(ck: Callable[..., Any] | None, reentrant: bool, nested: bool) -> tuple[Any, ...]:
     start = gpc.get_rng_state()
     x = torch.randn(32, 16, dtype=torch.float64, requires_grad=True)
@@ -87,7 +79,7 @@ def _train_step(ck: Callable[..., Any] | None, reentrant: bool, nested: bool) ->
     else:
         out = ck(_block, h, use_reentrant=reentrant)
     (out**2).sum().backward()
-    result = (out.detach(), x.grad, w.grad, _after_draws())
+    result = (out.detach(), x.grad, w.grad, after_draws())
     gpc.set_rng_state(start)
     return result
 
@@ -169,7 +161,7 @@ def test_checkpoint_before_launch_is_torchs() -> None:
 
 # ----------------------------------------------------------------------------- RNG state
 def _draw_everything() -> list[Any]:
-    return [random.random(), float(np.random.rand()), *[t.tolist() for t in _after_draws()]]
+    return [random.random(), float(np.random.rand()), *[t.tolist() for t in after_draws()]]
 
 
 def test_rng_state_restores_every_stream(launched: None) -> None:
