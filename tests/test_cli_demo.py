@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from torchrun_helpers import run_torchrun
 
-from parallelctx import plan
+from parallelctx import ParallelMode, plan
 from parallelctx.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_demo_under_torchrun() -> None:
     assert "parallelctx check: world=8 tp=2 cp=1 dp=2 pp=2" in out and "all checks passed" in out
     rows = [line for line in out.splitlines() if line.startswith("│")]
     check_rows = [line for line in rows if "│ ok " in line]
-    assert len(check_rows) == 13  # one row per mode, each proven
+    assert len(check_rows) == len(ParallelMode)  # one row per mode, each proven
     assert "FAILED" not in out and "seeds: ok" in out
     assert "4 KiB (slowest)" in out and "64 KiB (slowest)" in out
     assert "processes on this node: 8, nodes: 1" in out
