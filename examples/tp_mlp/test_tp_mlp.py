@@ -12,7 +12,9 @@ from tp_mlp import ParallelMLP, pipeline_forward_backward, serial_mlp
 from parallelctx import ParallelMode, gpc
 from parallelctx.testing import assert_differs_across, assert_same_across, gather_across
 
-HIDDEN, FFN, BATCH, P = 8, 16, 4, 0.1
+# p = 0.5 and 8 rows: a 4-way shard of the mask has 32 entries, so two ranks draw the same one with
+# probability 2**-32 (at p = 0.1 and 4 rows a mask of all ones was likely on two ranks).
+HIDDEN, FFN, BATCH, P = 8, 16, 8, 0.5
 LAYOUTS = [dict(tensor=1), dict(tensor=2), dict(tensor=4), dict(tensor=2, pipeline=2), dict(pipeline=2)]
 
 
