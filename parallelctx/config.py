@@ -122,8 +122,9 @@ class AxisConfig(BaseModel):
     ``size`` is a plain int (a bool, a string or a float is refused). Other keys are kept
     (``pipeline=dict(size=4, interleaved_overlap=True)``) and readable as attributes, for the model
     code that uses them, except keys that look like a misspelt valid key (``sizes``, ``szie``),
-    which are refused with the key they probably mean, and keys named like a pydantic method
-    (``copy``, ``json``, ``model_dump``...), which attribute access could not reach.
+    which are refused with the key they probably mean, and keys named like a pydantic or
+    config-section method (``copy``, ``json``, ``items``, ``get``...), which attribute access
+    could not reach.
     """
 
     model_config = ConfigDict(extra="allow", frozen=True)
@@ -154,10 +155,11 @@ class AxisConfig(BaseModel):
                 guess = _closest(key, valid)
                 if guess is not None:
                     raise ValueError(f"{what}: unknown key {key!r}; did you mean {guess!r}?")
-                if hasattr(cls, key):
+                if hasattr(cls, key) or hasattr(Section, key):
                     raise ValueError(
-                        f"{what}: key {key!r} has the name of a pydantic model attribute, so "
-                        f"{what}.{key} would not return it; rename the key (e.g. {key + '_'!r})"
+                        f"{what}: key {key!r} has the name of a pydantic model or config-section "
+                        f"attribute (items, keys, get, copy...), so {what}.{key} would not return it; "
+                        f"rename the key (e.g. {key + '_'!r})"
                     )
             return dict(value)
         number = _as_int(value)

@@ -261,7 +261,7 @@ def test_timeout_limits_are_inclusive() -> None:
         ({"parallel": {"data": "4"}}, "data='4' is of type str"),
         (
             {"parallel": {"pipeline": {"size": 2, "copy": 1}}},
-            "key 'copy' has the name of a pydantic model attribute",
+            "key 'copy' has the name of a pydantic model or config-section attribute",
         ),
         ({"parallel": {"pipeline": {"size": 2, 3: 1}}}, "parallel.pipeline: key 3 is not a name"),
         ({"parallel": {"order": b"tp-dp"}}, "Input should be a valid string"),
