@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .layout import ParallelMode
@@ -32,8 +33,8 @@ __all__ = [
     "COLLECTIVES",
     "DryRun",
     "GroupCall",
-    "Simulation",
     "SimulatedHosts",
+    "Simulation",
     "fake_default_group",
     "install_recorders",
     "launch_simulated",
@@ -111,7 +112,9 @@ def parse_simulate(value: Any) -> Simulation:
         raise ValueError(f"simulate={value!r} must be a dict such as dict(world_size=16384, rank=12345)")
     unknown = sorted(set(value) - {"world_size", "rank", "nproc_per_node"})
     if unknown:
-        raise ValueError(f"simulate= got unknown keys {unknown}; it takes world_size, rank and nproc_per_node")
+        raise ValueError(
+            f"simulate= got unknown keys {unknown}; it takes world_size, rank and nproc_per_node"
+        )
 
     def whole(name: str, default: int | None = None) -> int:
         got = value.get(name, default)
@@ -291,12 +294,12 @@ def record(key: str, value: Any, same_across: ParallelMode | str | None = None) 
 
 def _call_site() -> str:
     """``file:line`` of the nearest caller outside this module and torch.distributed."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
         if os.path.normcase(os.path.abspath(name)) != _THIS_FILE and "torch/distributed" not in name:
             return f"{name}:{frame.f_lineno}"
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     return "?"
 
 
@@ -325,7 +328,7 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
 
     new_group.__wrapped__ = original_new_group  # type: ignore[attr-defined]
     originals["new_group"] = original_new_group
-    dist.new_group = new_group  # type: ignore[assignment]
+    dist.new_group = new_group
 
     def wrap(kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def collective(*args: Any, **kwargs: Any) -> Any:
@@ -411,4 +414,3 @@ def fake_default_group(rank: int, world_size: int, timeout: Any) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size, timeout=timeout)
-

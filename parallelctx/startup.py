@@ -233,7 +233,7 @@ def _launch_dry(
     from .dryrun import launch_simulated, parse_simulate
 
     armed = ctx._dry_run
-    sim = parse_simulate(simulate if simulate is not None else armed.sim)  # type: ignore[union-attr]
+    sim = parse_simulate(simulate if simulate is not None else armed.sim)
     if config is None and armed is not None:
         config = armed.config
     cfg = ctx.load_config(config)

@@ -49,7 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=None, help="config file used when the script's launch passes no config"
     )
-    parser.add_argument("--json", default=None, metavar="OUT", help="write the report (sweep: all reports) here")
+    parser.add_argument(
+        "--json", default=None, metavar="OUT", help="write the report (sweep: all reports) here"
+    )
     parser.add_argument(
         "--ranks", default=None, help="sweep: all | 0,17,9000 | sample:N, then check across ranks"
     )
@@ -124,7 +126,11 @@ def _summary(report: dict[str, Any]) -> str:
     where = " ".join(f"{k}={coords[k]}" for k in ("tensor", "pipeline", "data", "context") if k in coords)
     launch = report.get("launch_s")
     took = f"launch {launch:.3f} s" if isinstance(launch, float) else "not launched"
-    state = "ok" if report.get("exit_code", 0) == 0 else f"FAILED ({report.get('error') or 'exit ' + str(report.get('exit_code'))})"
+    state = (
+        "ok"
+        if report.get("exit_code", 0) == 0
+        else f"FAILED ({report.get('error') or 'exit ' + str(report.get('exit_code'))})"
+    )
     return (
         f"dry-run rank {report['rank']} of {report['world_size']}: {where} | "
         f"{report.get('new_group_calls', 0)} new_group calls, {took} | {state}"
@@ -214,7 +220,9 @@ def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dic
             reports[rank] = json.loads(path.read_text())
         if rank not in reports or reports[rank].get("exit_code", 0) != 0 or "error" in reports[rank]:
             why = reports.get(rank, {}).get("error") or ends.get(rank, "no report")
-            failures.append(f"rank {rank} failed: {why}\n  its output ends:\n    " + tail.replace("\n", "\n    "))
+            failures.append(
+                f"rank {rank} failed: {why}\n  its output ends:\n    " + tail.replace("\n", "\n    ")
+            )
     return reports, failures
 
 
@@ -235,7 +243,11 @@ def _run_many(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(
             json.dumps(
-                {"reports": {str(r): v for r, v in reports.items()}, "failures": failures, "mismatches": mismatches}
+                {
+                    "reports": {str(r): v for r, v in reports.items()},
+                    "failures": failures,
+                    "mismatches": mismatches,
+                }
             )
             + "\n"
         )

@@ -214,7 +214,7 @@ def check_same_across(reports: Reports) -> list[str]:
     on every swept rank of each group of that mode."""
     out: list[str] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
-    for rank, rep in sorted(reports.items()):
+    for _, rep in sorted(reports.items()):
         for key, mode in sorted(rep.get("same_across", {}).items()):
             members = rep.get("groups", {}).get(mode)
             if members is None:
