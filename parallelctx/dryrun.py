@@ -203,16 +203,37 @@ class GroupCall:
 class DryRun:
     """What a dry run of one rank records; its :meth:`report` is the rank's report."""
 
-    def __init__(self, sim: Simulation, config: Any = None) -> None:
+    def __init__(self, sim: Simulation, config: Any = None, armed: bool = False) -> None:
         self.sim = sim
         #: The config the launch uses when the script passes none (``parallelctx dry-run --config``).
         self.config = config
+        #: True when every launch of this process is this dry run (``parallelctx dry-run``), not
+        #: only a launch given ``simulate=``.
+        self.armed = armed
         self.calls: list[GroupCall] = []
         self.collectives: dict[str, int] = {}
         self.values: dict[str, Any] = {}
         self.same_across: dict[str, str] = {}
         self.launched: dict[str, Any] = {}
         self.launches = 0
+        self._restore: Callable[[], None] | None = None
+
+    @property
+    def recording(self) -> bool:
+        """True while ``torch.distributed`` is wrapped for this dry run (:meth:`start_recording`)."""
+        return self._restore is not None
+
+    def start_recording(self) -> None:
+        """Wrap ``torch.distributed`` for this dry run (:func:`install_recorders`); a no-op when
+        it already is."""
+        if self._restore is None:
+            self._restore = install_recorders(self)
+
+    def stop_recording(self) -> None:
+        """Restore ``torch.distributed``'s own functions; a no-op when not recording."""
+        if self._restore is not None:
+            restore, self._restore = self._restore, None
+            restore()
 
     def note_launch(self, ctx: ParallelContext, seconds: float) -> None:
         """Keep the coordinates, groups (the world's aside) and seeds ``ctx`` has after a launch
@@ -380,15 +401,14 @@ def launch_simulated(
         )
     begin = time.perf_counter()
     dry = ctx._dry_run
-    restore = None
-    if dry is None or dry.sim != sim:  # the programmatic form: record until destroy
+    if dry is None or dry.sim != sim:
         dry = DryRun(sim)
         ctx._dry_run = dry
-        restore = install_recorders(dry)
     ctx.config.parallel.to_layout(sim.world_size)  # LayoutError before any group
+    if not dry.recording:  # the programmatic form: record from here until destroy()
+        dry.start_recording()
+        ctx.add_destroy_hook(dry.stop_recording)
     ctx.init_global_dist(sim.rank, sim.world_size, backend="fake", timeout=timeout)
-    if restore is not None:
-        ctx.add_destroy_hook(restore)
     ctx._hostnames = SimulatedHosts(sim.world_size, sim.nproc_per_node)  # type: ignore[assignment]
     ctx._local_rank = sim.local_rank if local_rank is None else local_rank
     ctx.init_parallel_groups()

@@ -143,7 +143,7 @@ def launch(
     """
     if ctx.is_initialized(ParallelMode.GLOBAL):
         raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
-    if simulate is not None or ctx._dry_run is not None:  # a dry run: parallelctx.dryrun
+    if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
         return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
     # Local checks first. A rank whose checks fail but that can still reach the others (its
     # rank, world size and address are valid) tells them at the rendezvous, so that every
@@ -232,8 +232,8 @@ def _launch_dry(
     from .config import to_timedelta
     from .dryrun import launch_simulated, parse_simulate
 
-    armed = ctx._dry_run
-    sim = parse_simulate(simulate if simulate is not None else armed.sim)
+    armed = ctx._dry_run if getattr(ctx._dry_run, "armed", False) else None
+    sim = parse_simulate(simulate if simulate is not None else armed.sim)  # type: ignore[union-attr]
     if config is None and armed is not None:
         config = armed.config
     cfg = ctx.load_config(config)

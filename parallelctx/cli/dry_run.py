@@ -30,7 +30,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..dryrun import DryRun, Simulation, install_recorders, parse_simulate, torchrun_environment
+from ..dryrun import DryRun, Simulation, parse_simulate, torchrun_environment
 
 __all__ = ["add_arguments", "run", "run_one", "run_sweep"]
 
@@ -87,10 +87,10 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
     from ..context import gpc
 
     sim = _simulation(args, rank)
-    dry = DryRun(sim, args.config)
+    dry = DryRun(sim, args.config, armed=True)
     os.environ.update(torchrun_environment(sim))
     gpc._dry_run = dry
-    restore = install_recorders(dry)
+    dry.start_recording()
     script = str(Path(args.script))
     saved_argv = sys.argv
     sys.argv = [script, *args.args]
@@ -109,7 +109,7 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
         sys.stderr.write(trace)
     finally:
         sys.argv = saved_argv
-        restore()
+        dry.stop_recording()
     report = dry.report()
     report["exit_code"] = code
     if error:

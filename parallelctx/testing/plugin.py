@@ -184,7 +184,9 @@ def resolve_marker(
     return world_size, raw, float(timeout)
 
 
-def simulated_ranks(kwargs: Mapping[str, Any], world_size: int, config: Mapping[str, Any]) -> list[int] | None:
+def simulated_ranks(
+    kwargs: Mapping[str, Any], world_size: int, config: Mapping[str, Any]
+) -> list[int] | None:
     """The ranks a ``simulate=True`` marker runs the test as (dry runs on torch's fake
     backend): its ``ranks=``, else the first and last rank of every pipeline stage and of the
     world. None for a marker without ``simulate=True``.
@@ -197,12 +199,16 @@ def simulated_ranks(kwargs: Mapping[str, Any], world_size: int, config: Mapping[
 
     if not kwargs.get("simulate"):
         if "ranks" in kwargs:
-            raise MarkerError("@pytest.mark.parallel(ranks=...) needs simulate=True (dry runs of those ranks)")
+            raise MarkerError(
+                "@pytest.mark.parallel(ranks=...) needs simulate=True (dry runs of those ranks)"
+            )
         return None
     ranks = kwargs.get("ranks")
     if ranks is None:
         layout = Config(dict(config)).parallel.to_layout(world_size)
-        ends = layout.group_of(ParallelMode.PIPELINE, 0) + layout.group_of(ParallelMode.PIPELINE, world_size - 1)
+        ends = layout.group_of(ParallelMode.PIPELINE, 0) + layout.group_of(
+            ParallelMode.PIPELINE, world_size - 1
+        )
         return sorted({0, world_size - 1, *ends})
     if not isinstance(ranks, (list, tuple, range)) or not ranks:
         raise MarkerError(f"ranks={ranks!r} must be a non-empty list of ranks, e.g. ranks=[0, 17, 4095]")
