@@ -128,15 +128,19 @@ gpc.destroy()
 """
 
 
-def test_sweep_of_all_ranks_names_the_rank_that_skips_a_world_group(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [64, pytest.param(256, marks=pytest.mark.sweeps)])
+def test_sweep_of_all_ranks_names_the_rank_that_skips_a_world_group(tmp_path: Path, world: int) -> None:
     script = _script(tmp_path, SKIPPER)
-    proc = _cli("--world-size", 64, "--ranks", "all", script, cwd=tmp_path)
+    proc = _cli("--world-size", world, "--ranks", "all", script, cwd=tmp_path, timeout=900)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     lines = [ln for ln in proc.stdout.splitlines() if "skipped" in ln]
     assert len(lines) == 1, proc.stdout
     assert lines[0].startswith("rank 17 skipped new_group([0, 1, 2, 3]), call 2 of the 2"), lines
     assert "job.py:8" in lines[0]
-    assert "64 of 64 ranks" in proc.stdout and "1 cross-rank mismatches" in proc.stdout
+    assert (
+        f"{world} of {world} ranks" in proc.stdout
+        and "0 ranks failed, 1 cross-rank mismatches" in proc.stdout
+    )
 
 
 def test_sweep_passes_a_consistent_script_and_writes_every_report(tmp_path: Path) -> None:
