@@ -194,6 +194,26 @@ def test_sweep_reports_a_rank_that_fails_and_its_output(tmp_path: Path) -> None:
     assert "rank 0 failed" not in proc.stdout
 
 
+def test_sweep_kills_and_names_a_rank_that_hangs(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import time
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch()
+        if gpc.get_global_rank() == 2:
+            time.sleep(600)
+        """,
+    )
+    proc = _cli("--world-size", 4, "--ranks", "all", "--rank-timeout", 20, script, cwd=tmp_path, timeout=200)
+    assert proc.returncode == 1
+    assert "rank 2 failed: did not finish within --rank-timeout 20 s (killed)" in proc.stdout
+    assert [ln for ln in proc.stdout.splitlines() if " failed: " in ln] == [
+        "rank 2 failed: did not finish within --rank-timeout 20 s (killed)"
+    ]
+
+
 def test_simulate_launch_in_process_runs_the_bridges_and_restores_torch() -> None:
     code = textwrap.dedent(
         """
