@@ -188,16 +188,25 @@ class SimulatedHosts(Sequence[str]):
 @dataclass
 class GroupCall:
     """One ``torch.distributed.new_group`` call of a dry run: members (None: the whole world),
-    whether it synchronised locally, its description and where it was called (``file:line``)."""
+    whether it synchronised locally, its description, where it was called (``file:line``) and
+    how many process groups the process held before it (torch names a locally synchronised
+    group by its members and that number)."""
 
     ranks: list[int] | None
     local: bool
     desc: str
     where: str
+    held: int = -1
 
     def to_json(self) -> dict[str, Any]:
         """Return the call as a JSON-ready dict."""
-        return {"ranks": self.ranks, "local": self.local, "desc": self.desc, "where": self.where}
+        return {
+            "ranks": self.ranks,
+            "local": self.local,
+            "desc": self.desc,
+            "where": self.where,
+            "held": self.held,
+        }
 
 
 class DryRun:
@@ -335,6 +344,7 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
         A function that restores the originals.
     """
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
     originals: dict[str, Any] = {}
     original_new_group = dist.new_group
@@ -344,7 +354,9 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
         members = None if ranks is None else sorted(int(r) for r in ranks)
         local = bool(kwargs.get("use_local_synchronization", args[5] if len(args) > 5 else False))
         desc = str(kwargs.get("group_desc") or "")
-        dry.calls.append(GroupCall(members, local, desc, _call_site()))
+        names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+        held = len(names) if names is not None else -1
+        dry.calls.append(GroupCall(members, local, desc, _call_site(), held))
         return original_new_group(*args, **kwargs)
 
     new_group.__wrapped__ = original_new_group  # type: ignore[attr-defined]

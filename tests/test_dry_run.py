@@ -175,6 +175,30 @@ def test_sweep_names_ranks_whose_same_across_values_differ_and_missing_local_mem
     assert "ranks [1] are members of new_group([0, 1], use_local_synchronization=True)" in proc.stdout
 
 
+def test_sweep_names_a_local_group_made_after_different_group_counts(tmp_path: Path) -> None:
+    # With 4 pipeline stages only the first and last hold an embedding group, so a group of
+    # ranks 0 (first stage) and 1 (a middle stage) made after launch gets a different torch name
+    # on each: a real 4-rank gloo job times out in this new_group on rank 1.
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch(dict(parallel=dict(pipeline=4)))
+        if gpc.get_global_rank() < 2:
+            dist.new_group([0, 1], use_local_synchronization=True)
+        """,
+    )
+    proc = _cli("--world-size", 4, "--ranks", "all", script, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "new_group([0, 1], use_local_synchronization=True) at " in proc.stdout
+    assert (
+        "job.py:7 comes after 3 process groups on most of its members but not on ranks [1] (after 2)"
+        in proc.stdout
+    )
+
+
 def test_sweep_reports_a_rank_that_fails_and_its_output(tmp_path: Path) -> None:
     script = _script(
         tmp_path,

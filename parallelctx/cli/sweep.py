@@ -130,8 +130,9 @@ def check_creation_order(reports: Reports) -> list[str]:
       same sequence: a rank whose sequence differs from the most common one is named with the
       group it skipped (or made in addition) and where the others called it;
     * a group made with local synchronization is a call of each of its members, and torch names
-      it by its members and the number of groups the process made before: a swept member that
-      did not make it, or made it after another number of groups, is named.
+      it by its members and the number of process groups the process held before (the report's
+      ``held``): a swept member that did not make it, or made it after another number of groups,
+      is named.
     """
     out: list[str] = []
     seqs = {r: [(tuple(c["ranks"]) if c["ranks"] is not None else None) for c in _world_calls(rep)]
@@ -151,7 +152,8 @@ def check_creation_order(reports: Reports) -> list[str]:
         for index, call in enumerate(rep.get("new_groups", [])):
             if call.get("local") and call.get("ranks") is not None:
                 key = tuple(call["ranks"])
-                made.setdefault(key, {}).setdefault(rank, index)
+                held = call.get("held", -1)
+                made.setdefault(key, {}).setdefault(rank, held if held >= 0 else index)
                 where.setdefault(key, call.get("where", "?"))
     for key, by_rank in sorted(made.items()):
         swept = [r for r in key if r in reports]
@@ -167,10 +169,10 @@ def check_creation_order(reports: Reports) -> list[str]:
             usual = positions.most_common(1)[0][0]
             odd = sorted(r for r, i in by_rank.items() if i != usual)
             out.append(
-                f"new_group({_short(list(key))}, use_local_synchronization=True) at {where[key]} is "
-                f"new_group call {usual + 1} on most of its members but not on ranks {_short(odd)} "
-                f"(call {', '.join(str(by_rank[r] + 1) for r in odd[:5])}); torch names the group by "
-                "the groups made before it, so its members will not meet"
+                f"new_group({_short(list(key))}, use_local_synchronization=True) at {where[key]} comes "
+                f"after {usual} process groups on most of its members but not on ranks {_short(odd)} "
+                f"(after {', '.join(str(by_rank[r]) for r in odd[:5])}); torch names the group by "
+                "its members and the number of groups made before it, so its members will not meet"
             )
     return out
 
