@@ -255,8 +255,15 @@ def test_simulate_launch_in_process_runs_the_bridges_and_restores_torch() -> Non
         with torch.device("meta"):
             w = distribute_tensor(torch.empty(1024, 64), tp, [Shard(0)])
         print("LOCAL", list(w.to_local().shape))
+        from torch.distributed.fsdp import fully_shard
+        model = torch.nn.Linear(64, 4096, device="meta")
+        fully_shard(model, mesh=gpc.device_mesh["dp"])
+        print("FSDP", list(model.weight.to_local().shape))
         print("TITAN", parallelctx.torchtitan.parallel_dims().tp)
         print("MEGATRON", parallelctx.megatron.process_groups().pp.size())
+        parallelctx.megatron.install()
+        from megatron.core import parallel_state
+        print("PARALLEL_STATE", parallel_state.get_pipeline_model_parallel_rank())
         x = torch.ones(2)
         for _ in range(3):
             dist.all_reduce(x, group=gpc.get_group("data"))
@@ -275,6 +282,8 @@ def test_simulate_launch_in_process_runs_the_bridges_and_restores_torch() -> Non
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "LOCAL [128, 64]" in out and "TITAN 8" in out and "MEGATRON 16" in out
+    assert "PARALLEL_STATE 12" in out  # 99999 // (8 * 1024)
+    assert "FSDP [4, 64]" in out  # 4096 rows over 1024 data ranks
     assert "NODES 16384 12499 7" in out
     assert "COLLECTIVES {'all_reduce': 3, 'broadcast': 1}" in out
     logged = [ln for ln in out.splitlines() if ln.startswith("LOG parallelctx dry run: torch.distributed.")]
