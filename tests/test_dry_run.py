@@ -230,11 +230,11 @@ def test_sweep_kills_and_names_a_rank_that_hangs(tmp_path: Path) -> None:
             time.sleep(600)
         """,
     )
-    proc = _cli("--world-size", 4, "--ranks", "all", "--rank-timeout", 20, script, cwd=tmp_path, timeout=200)
+    proc = _cli("--world-size", 4, "--ranks", "all", "--rank-timeout", 10, script, cwd=tmp_path, timeout=200)
     assert proc.returncode == 1
-    assert "rank 2 failed: did not finish within --rank-timeout 20 s (killed)" in proc.stdout
+    assert "rank 2 failed: did not finish within --rank-timeout 10 s (killed)" in proc.stdout
     assert [ln for ln in proc.stdout.splitlines() if " failed: " in ln] == [
-        "rank 2 failed: did not finish within --rank-timeout 20 s (killed)"
+        "rank 2 failed: did not finish within --rank-timeout 10 s (killed)"
     ]
 
 
