@@ -218,7 +218,8 @@ def test_sweep_reports_a_rank_that_fails_and_its_output(tmp_path: Path) -> None:
     assert "rank 0 failed" not in proc.stdout
 
 
-def test_sweep_kills_and_names_a_rank_that_hangs(tmp_path: Path) -> None:
+def test_sweep_kills_and_names_every_rank_that_hangs(tmp_path: Path) -> None:
+    # Ten hanging ranks at once: ten kills in one sweep, each named, and the others still pass.
     script = _script(
         tmp_path,
         """
@@ -226,15 +227,17 @@ def test_sweep_kills_and_names_a_rank_that_hangs(tmp_path: Path) -> None:
         import parallelctx
         from parallelctx import gpc
         parallelctx.launch_from_torch()
-        if gpc.get_global_rank() == 2:
+        if 0 < gpc.get_global_rank() < 11:
             time.sleep(600)
         """,
     )
-    proc = _cli("--world-size", 4, "--ranks", "all", "--rank-timeout", 10, script, cwd=tmp_path, timeout=200)
+    proc = _cli(
+        "--world-size", 12, "--ranks", "all", "--jobs", 12, "--rank-timeout", 10, script, cwd=tmp_path, timeout=200
+    )  # fmt: skip
     assert proc.returncode == 1
-    assert "rank 2 failed: did not finish within --rank-timeout 10 s (killed)" in proc.stdout
-    assert [ln for ln in proc.stdout.splitlines() if " failed: " in ln] == [
-        "rank 2 failed: did not finish within --rank-timeout 10 s (killed)"
+    failed = [ln for ln in proc.stdout.splitlines() if " failed: " in ln]
+    assert failed == [
+        f"rank {r} failed: did not finish within --rank-timeout 10 s (killed)" for r in range(1, 11)
     ]
 
 
