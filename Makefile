@@ -44,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.queries --write-results
 	$(BIN)/python -m benchmarks.cli_startup --write-results
+	$(BIN)/python -m benchmarks.dry_run --write-results
 
 # pytest plugin (docs/testing.md): 40 trivial 8-rank tests on the pool vs fresh processes per
 # test; appends a section to benchmarks/RESULTS.md (fresh processes take ~10-30 s per test here)

@@ -1,6 +1,7 @@
 """Dry runs (``parallelctx dry-run``, docs/dry_run.md): one rank of a big job, and a sweep.
 
-    python -m benchmarks.dry_run [--repeats 3] [--sweep-world 1024] [--jobs N] [--write-results]
+    python -m benchmarks.dry_run [--repeats 3] [--worlds 1024,16384,131072] [--sweep-world 1024] [--jobs N]
+                                 [--write-results]
 
 1. One rank of 1,024 / 16,384 / 131,072 ranks (tensor 8, pipeline 16) with
    ``examples/dry_run/train.py``, each in a fresh ``parallelctx dry-run`` process: the report's
@@ -105,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     """Measure, print the tables, optionally write them to RESULTS.md; return 0."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--worlds",
+        default=",".join(map(str, WORLDS)),
+        help="world sizes, multiples of 128 (tensor 8 x pipeline 16)",
+    )
     parser.add_argument("--sweep-world", type=int, default=1024)
     parser.add_argument("--jobs", type=int, default=None)
     parser.add_argument("--write-results", action="store_true")
     args = parser.parse_args(argv)
-    ranks = [one_rank(w, args.repeats) for w in WORLDS]
-    mems = [memory(w) for w in WORLDS]
+    worlds = [int(w) for w in args.worlds.split(",")]
+    ranks = [one_rank(w, args.repeats) for w in worlds]
+    mems = [memory(w) for w in worlds]
     swept = sweep(args.sweep_world, args.jobs)
     load = os.getloadavg()[0]
     lines = [

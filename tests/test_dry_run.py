@@ -369,3 +369,21 @@ def test_plugin_simulate_true_runs_a_4096_rank_test_on_the_pool(pytester: pytest
     text = result.stdout.str()
     assert "rank 17 skipped new_group([0, 1, 2, 3])" in text
     assert "dry run of rank 40 of 64" in text and "wrong on the last rank" in text
+
+
+def test_the_dry_run_benchmark_runs_once_at_a_tiny_size() -> None:
+    """benchmarks.dry_run cannot rot; its timings decide nothing."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.dry_run",
+        "--worlds",
+        "128",
+        "--repeats",
+        "1",
+        "--sweep-world",
+        "8",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 128 |" in proc.stdout and "Sweep: all 8 ranks" in proc.stdout and "checks passed" in proc.stdout
