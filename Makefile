@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean
+.PHONY: demo test test-faults test-launchers test-sweeps lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -20,15 +20,20 @@ $(STAMP): pyproject.toml requirements/constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.cli.demo --config configs/demo_3d.py
+	$(BIN)/python -m parallelctx dry-run --world-size 16384 --rank 12345 --quiet examples/dry_run/train.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers and not faults" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps" -q
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q
 
 test-launchers: $(STAMP)
 	$(BIN)/python -m pytest -m launchers -q
+
+# dry-run sweeps of every rank of a few hundred ranks (docs/dry_run.md)
+test-sweeps: $(STAMP)
+	$(BIN)/python -m pytest -m sweeps -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check parallelctx tests benchmarks examples
@@ -39,6 +44,7 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
 	$(BIN)/python -m benchmarks.queries --write-results
 	$(BIN)/python -m benchmarks.cli_startup --write-results
+	$(BIN)/python -m benchmarks.dry_run --write-results
 
 # pytest plugin (docs/testing.md): 40 trivial 8-rank tests on the pool vs fresh processes per
 # test; appends a section to benchmarks/RESULTS.md (fresh processes take ~10-30 s per test here)

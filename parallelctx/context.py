@@ -72,6 +72,8 @@ class ParallelContext:
     def __init__(self) -> None:
         # Stores, launch counter and adopted group names: kept across destroy() for relaunches.
         self._meetings = startup.Meetings()
+        # The dry run this process plays (parallelctx.dryrun), kept across destroy() for its report.
+        self._dry_run: Any = None
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -165,10 +167,16 @@ class ParallelContext:
         timeout: int | float | timedelta | None = None,
         init_method: str | None = None,
         local_world_size: int | None = None,
+        simulate: Mapping[str, int] | None = None,
     ) -> ParallelContext:
         """Set up this context: config, default group, parallel groups, processes per node,
         device and seeds; on any failure, tear down what was made and re-raise
         (the sequence: :func:`parallelctx.startup.launch`).
+
+        ``simulate=dict(world_size=W, rank=R[, nproc_per_node=G])`` makes this process a dry
+        run of rank R of a W-rank job on torch's ``fake`` backend (no other process, no store;
+        collectives return at once, their results are not real; ``rank``, ``world_size``,
+        ``host`` and ``port`` are then ignored): see :mod:`parallelctx.dryrun`.
 
         The arguments are checked first (:func:`parallelctx.args.validate_launch_args`).
         ``backend``, ``seed``, ``timeout`` and ``init_method`` left at None take the config's
@@ -193,7 +201,7 @@ class ParallelContext:
         """
         return startup.launch(
             self, config, rank, world_size, host, port, backend, local_rank, seed, timeout, init_method,
-            local_world_size,
+            local_world_size, simulate,
         )  # fmt: skip
 
     def load_config(self, config: Config | Mapping[str, Any] | str | Path | None) -> Config:
@@ -626,6 +634,13 @@ class ParallelContext:
         if self._layout is None:
             raise self._not_launched("gpc.layout")
         return self._layout
+
+    @property
+    def dry_run(self) -> Any:
+        """The :class:`parallelctx.dryrun.DryRun` this process records when it is a dry run
+        (``launch(simulate=...)`` or ``parallelctx dry-run``), else None. It outlives
+        :meth:`destroy`, so the report is complete at exit."""
+        return self._dry_run
 
     @property
     def group_creations(self) -> int:

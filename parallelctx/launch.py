@@ -8,6 +8,7 @@ and ``init_dist`` name one entry of that table. Single-node worker processes: :m
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -41,10 +42,14 @@ def launch(
     timeout: int | float | timedelta | None = None,
     init_method: str | None = None,
     local_world_size: int | None = None,
+    simulate: Mapping[str, int] | None = None,
 ) -> ParallelContext:
     """Set up ``gpc`` for this process: config, default group, parallel groups, processes per
     node, device and seeds (:meth:`ParallelContext.launch`). Logs one summary line on the rank
     :meth:`~ParallelContext.is_rank_for_log` picks.
+
+    ``simulate=dict(world_size=W, rank=R)``: a dry run of rank R of a W-rank job on torch's
+    ``fake`` backend, in this process alone (:mod:`parallelctx.dryrun`, docs/dry_run.md).
 
     ``backend``, ``seed``, ``timeout`` and ``init_method`` default to the config's ``dist`` and
     ``seed`` values. ``local_world_size``, when the launcher gives it, is checked against the
@@ -74,6 +79,7 @@ def launch(
         timeout=timeout,
         init_method=init_method,
         local_world_size=local_world_size,
+        simulate=simulate,
     )
 
 

@@ -128,6 +128,7 @@ def launch(
     timeout: Any,
     init_method: Any,
     local_world_size: Any,
+    simulate: Any = None,
 ) -> ParallelContext:
     """Run the launch sequence on ``ctx`` (see :meth:`ParallelContext.launch`, which documents
     the arguments): local checks, the rendezvous (or the refusal posted there), the default
@@ -142,6 +143,8 @@ def launch(
     """
     if ctx.is_initialized(ParallelMode.GLOBAL):
         raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
+    if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
+        return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
     # Local checks first. A rank whose checks fail but that can still reach the others (its
     # rank, world size and address are valid) tells them at the rendezvous, so that every
     # rank stops at once instead of waiting for it until the timeout.
@@ -218,6 +221,28 @@ def launch(
         )
     if ctx.is_rank_for_log():
         logger.info(ctx.summary())
+    return ctx
+
+
+def _launch_dry(
+    ctx: ParallelContext, config: Any, simulate: Any, seed: Any, timeout: Any, local_rank: Any
+) -> ParallelContext:
+    """The dry-run launch (:func:`parallelctx.dryrun.launch_simulated`): ``simulate``, else the
+    simulation ``parallelctx dry-run`` armed (whose config serves when ``config`` is None)."""
+    from .config import to_timedelta
+    from .dryrun import launch_simulated, parse_simulate
+
+    armed = ctx._dry_run if getattr(ctx._dry_run, "armed", False) else None
+    sim = parse_simulate(simulate if simulate is not None else armed.sim)  # type: ignore[union-attr]
+    if config is None and armed is not None:
+        config = armed.config
+    cfg = ctx.load_config(config)
+    wait = to_timedelta(timeout, "timeout") if timeout is not None else cfg.dist.timeout
+    try:
+        launch_simulated(ctx, sim, wait, seed if seed is not None else cfg.seed, local_rank)
+    except BaseException:
+        ctx.destroy()
+        raise
     return ctx
 
 
@@ -353,6 +378,11 @@ def init_default_group(
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
+    if backend == "fake":  # a dry run (parallelctx.dryrun): no rendezvous, no store server
+        from .dryrun import fake_default_group
+
+        fake_default_group(rank, world_size, timeout)
+        return DefaultGroup("fake", True, timeout, ())
     backend = resolve_backend(backend)
     deadline = time.monotonic() + timeout.total_seconds()
     hostnames: tuple[str, ...] = ()

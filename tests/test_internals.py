@@ -27,6 +27,9 @@ TORCH_FREE = [
     "cli/placement",
     "cli/tables",
     "cli/picture",
+    "dryrun",
+    "cli/sweep",
+    "cli/dry_run",
 ]
 # Integrations: modules named after the library or torch feature they bridge (docs/internals.md).
 INTEGRATIONS = ["mesh", "checkpoint", "megatron", "torchtitan"]

@@ -6,6 +6,8 @@ parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert
                  [--nodes N] [--json] [--output FILE] [--png FILE] [--svg FILE]
 parallelctx check [--config FILE] [--sizes 4KiB,1MiB,16MiB] [--json]   under a launcher
 parallelctx env [--json]     which launcher started this process and what it said
+parallelctx dry-run --world-size W [--rank R | --ranks all|0,17|sample:N] script.py [args...]
+                             run a script as rank R of a W-rank job on torch's fake backend
 
 Each command lives in its own module of this package and is imported only when it runs, so
 ``plan`` and ``env`` never load torch.
@@ -36,6 +38,12 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from .check import run  # imports torch: only the check command pays for it
+
+    return run(args)
+
+
+def _cmd_dry_run(args: argparse.Namespace) -> int:
+    from .dry_run import run  # imports torch when the script runs
 
     return run(args)
 
@@ -99,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="print which launcher started this process and what it said")
     e.add_argument("--json", action="store_true", help="print the fields as one JSON object")
     e.set_defaults(func=_cmd_env)
+    from .dry_run import add_arguments  # torch-free at import
+
+    d = sub.add_parser(
+        "dry-run", help="run a script as any rank of a big job on one machine (torch's fake backend)"
+    )
+    add_arguments(d)
+    d.set_defaults(func=_cmd_dry_run)
     return parser
 
 

@@ -25,12 +25,15 @@ __all__ = [
     "PoolSet",
     "layout_id",
     "resolve_marker",
+    "simulated_ranks",
 ]
 
 #: Name of the pseudo-argument that carries one entry of ``layouts=`` (one test id per layout).
 LAYOUT_ARG = "parallel_layout"
 PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "expert_tensor", "order", "data")
-MARKER_KEYS = ("world_size", *PARALLEL_KEYS, "config", "timeout", "layouts")
+MARKER_KEYS = ("world_size", *PARALLEL_KEYS, "config", "timeout", "layouts", "simulate", "ranks")
+#: Pool processes that play the ranks of a ``simulate=True`` test, a batch at a time.
+SIMULATE_POOL_SIZE = 4
 DEFAULT_TIMEOUT_S = 180.0
 #: Seconds added to a parallel test's timeout for pytest-timeout, so that the plugin's own
 #: report (with every rank's stack) comes first.
@@ -135,6 +138,8 @@ def resolve_marker(
             f"@pytest.mark.parallel got unknown arguments {unknown}; valid: {', '.join(MARKER_KEYS)}"
         )
     merged.pop("layouts", None)
+    merged.pop("simulate", None)  # read by simulated_ranks
+    merged.pop("ranks", None)
     if layout:
         bad = sorted(set(layout) - {"world_size", *PARALLEL_KEYS})
         if bad:
@@ -177,6 +182,40 @@ def resolve_marker(
     except LayoutError as exc:
         raise MarkerError(f"@pytest.mark.parallel(world_size={world_size}, ...): {exc}") from None
     return world_size, raw, float(timeout)
+
+
+def simulated_ranks(
+    kwargs: Mapping[str, Any], world_size: int, config: Mapping[str, Any]
+) -> list[int] | None:
+    """The ranks a ``simulate=True`` marker runs the test as (dry runs on torch's fake
+    backend): its ``ranks=``, else the first and last rank of every pipeline stage and of the
+    world. None for a marker without ``simulate=True``.
+
+    Raises:
+        MarkerError: ``ranks=`` without ``simulate=True``, or a rank outside the world.
+    """
+    from parallelctx.config import Config
+    from parallelctx.layout import ParallelMode
+
+    if not kwargs.get("simulate"):
+        if "ranks" in kwargs:
+            raise MarkerError(
+                "@pytest.mark.parallel(ranks=...) needs simulate=True (dry runs of those ranks)"
+            )
+        return None
+    ranks = kwargs.get("ranks")
+    if ranks is None:
+        layout = Config(dict(config)).parallel.to_layout(world_size)
+        ends = layout.group_of(ParallelMode.PIPELINE, 0) + layout.group_of(
+            ParallelMode.PIPELINE, world_size - 1
+        )
+        return sorted({0, world_size - 1, *ends})
+    if not isinstance(ranks, (list, tuple, range)) or not ranks:
+        raise MarkerError(f"ranks={ranks!r} must be a non-empty list of ranks, e.g. ranks=[0, 17, 4095]")
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    if bad:
+        raise MarkerError(f"ranks={list(ranks)}: {bad} lie outside [0, world_size={world_size})")
+    return sorted(set(ranks))
 
 
 class PoolSet:
@@ -266,7 +305,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "parallel(world_size, tensor=, pipeline=, context=, expert=, expert_tensor=, order=, config=, "
         "timeout=, "
-        "layouts=): run the test on world_size ranks with parallelctx's gpc launched (docs/testing.md)",
+        "layouts=, simulate=, ranks=): run the test on world_size ranks with parallelctx's gpc launched "
+        "(simulate=True: as the given ranks of world_size in dry runs; docs/testing.md)",
     )
     from .rank import RANK_PLUGIN_NAME
 
@@ -372,6 +412,13 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         problem = ""
     if problem:
         pytest.fail(problem, pytrace=False)
+    try:
+        simulated = simulated_ranks(marker.kwargs, world_size, config)
+    except MarkerError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    if simulated is not None:
+        _run_simulated(pyfuncitem, world_size, simulated, config, timeout, layout)
+        return True
     pools: PoolSet = pyfuncitem.config.stash[_POOLS]
     from .pool import PoolError
 
@@ -406,6 +453,64 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     _add_output(pyfuncitem, outcome)
     raise_for(outcome, timeout, layout_id(layout) if layout else None)
     return True
+
+
+def _run_simulated(
+    item: pytest.Function,
+    world_size: int,
+    ranks: list[int],
+    config: dict[str, Any],
+    timeout: float,
+    layout: Mapping[str, Any] | None,
+) -> None:
+    """Run a ``simulate=True`` test as each of ``ranks`` of ``world_size`` (dry runs on torch's
+    fake backend, :mod:`parallelctx.dryrun`): a batch of :data:`SIMULATE_POOL_SIZE` ranks at a
+    time on the pooled workers, pool rank i playing the batch's i-th rank; then the ranks'
+    reports are checked across ranks (:func:`parallelctx.cli.sweep.check_all`)."""
+    from ..cli.sweep import check_all
+    from .pool import PoolError
+    from .report import raise_for
+
+    pools: PoolSet = item.config.stash[_POOLS]
+    size = min(len(ranks), SIMULATE_POOL_SIZE)
+    reports: dict[int, Any] = {}
+    for start in range(0, len(ranks), size):
+        batch = ranks[start : start + size]
+        batch += [batch[-1]] * (size - len(batch))  # a short last batch: the last rank again
+        spec = {
+            "nodeid": item.nodeid,
+            "config": config,
+            "timeout": timeout,
+            "sys_path": list(sys.path),
+            "cwd": str(Path.cwd()),
+            "tmp_path": str(_test_folder(item)),
+            "simulate": {"world_size": world_size, "ranks": batch},
+        }
+        try:
+            pool = pools.get(size)
+            spec["env"] = pool.environment(os.environ)
+            outcome = pool.run(spec, timeout)
+        except PoolError as exc:
+            pools.discard(size)
+            pytest.fail(f"could not run simulated ranks {batch} on a pool of {size}: {exc}", pytrace=False)
+        except BaseException:
+            pools.discard(size)
+            raise
+        if not outcome.reusable:
+            pools.discard(size)
+        _add_output(item, outcome)
+        raise_for(outcome, timeout, layout_id(layout) if layout else None)
+        for result in outcome.results.values():
+            if result.get("dry_run"):
+                reports[result["dry_run"]["rank"]] = result["dry_run"]
+    missing = sorted(set(ranks) - set(reports))
+    problems = [f"simulated ranks {missing} sent no dry-run report"] if missing else []
+    problems += check_all(reports)
+    if problems:
+        pytest.fail(
+            f"dry runs of ranks {ranks} of {world_size}: cross-rank checks failed:\n" + "\n".join(problems),
+            pytrace=False,
+        )
 
 
 def _add_output(item: pytest.Function, outcome: Any) -> None:

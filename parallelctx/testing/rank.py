@@ -106,6 +106,11 @@ class RankPlugin:
 
         if gpc.is_initialized(ParallelMode.GLOBAL):
             gpc.destroy()
+        simulate = self.spec.get("simulate")
+        if simulate:  # a dry run of one rank of a big world (parallelctx.dryrun)
+            sim = {"world_size": simulate["world_size"], "rank": simulate["ranks"][self.rank]}
+            launch(self.spec["config"], simulate=sim)
+            return
 
         # The default group connects on its first collective too (as the subgroups do with the
         # config's dist.gloo_lazy_init): a test pays only for the connections it uses.
@@ -181,7 +186,22 @@ class RankPlugin:
             out.update({k: v for k, v in decided.items() if k != "when"}, phase=decided["when"])
         elif not self.phases:
             out.update(outcome="failed", phase="setup", message="the test did not run on this rank")
+        if self.spec.get("simulate"):
+            self._add_dry_run(out)
         return out
+
+    def _add_dry_run(self, out: dict[str, Any]) -> None:
+        """A dry run's result: its report, and messages that name the simulated rank."""
+        from ..context import gpc
+
+        simulate = self.spec["simulate"]
+        played = simulate["ranks"][self.rank]
+        if gpc.dry_run is not None:
+            out["dry_run"] = gpc.dry_run.report()
+        if out["message"]:
+            prefix = f"(dry run of rank {played} of {simulate['world_size']}) "
+            out["message"] = prefix + out["message"]
+            out["longrepr"] = prefix + out["longrepr"]
 
 
 def start_session(args: list[str], invocation_dir: str, basetemp: str, plugin: RankPlugin) -> Any:

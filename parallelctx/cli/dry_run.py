@@ -1,0 +1,281 @@
+"""The ``dry-run`` command: run a script as one rank (or many ranks) of a big job, on one machine.
+
+    parallelctx dry-run --world-size 16384 --rank 12345 [--nproc-per-node 8] [--config CFG]
+                        [--json OUT] script.py [args...]
+    parallelctx dry-run --world-size 1024 --ranks all|0,17,9000|sample:N [--jobs J] script.py
+
+One rank: this process gets the variables torchrun would give that rank, ``gpc`` is armed with
+the simulation (:mod:`parallelctx.dryrun`), and the script runs as ``__main__``; its
+``launch_from_torch`` (or any launch) then makes every group on torch's ``fake`` backend. The
+rank's report is printed at exit (or written to ``--json``). Exit code: the script's.
+
+Many ranks: torch and parallelctx are imported once, then each rank runs in a process forked
+for it (``--jobs`` at a time), with its output in a log file; the reports are then checked
+across ranks (:mod:`parallelctx.cli.sweep`). Exit code 1 when a rank failed or a check found a
+mismatch; every message names the ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ..dryrun import DryRun, Simulation, parse_simulate, torchrun_environment
+
+__all__ = ["add_arguments", "run", "run_one", "run_sweep"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the options of ``parallelctx dry-run`` to ``parser``; returns None."""
+    parser.add_argument("--world-size", type=int, required=True, help="ranks in the simulated job")
+    parser.add_argument("--rank", type=int, default=0, help="the rank to play (default 0)")
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="ranks per node (LOCAL_RANK = rank %% G); default 8 where 8 divides the world, else 1",
+    )
+    parser.add_argument(
+        "--config", default=None, help="config file used when the script's launch passes no config"
+    )
+    parser.add_argument(
+        "--json", default=None, metavar="OUT", help="write the report (sweep: all reports) here"
+    )
+    parser.add_argument(
+        "--ranks", default=None, help="sweep: all | 0,17,9000 | sample:N, then check across ranks"
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="sweep: ranks run at a time (default: the CPU count)"
+    )
+    parser.add_argument(
+        "--rank-timeout", type=float, default=300.0, help="sweep: seconds one rank may take (default 300)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="only the summary line")
+    parser.add_argument("script", help="the training script (what torchrun would run)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+
+
+def _simulation(args: argparse.Namespace, rank: int) -> Simulation:
+    sim = {"world_size": args.world_size, "rank": rank}
+    if args.nproc_per_node is not None:
+        sim["nproc_per_node"] = args.nproc_per_node
+    return parse_simulate(sim)
+
+
+def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
+    """Run the script as ``rank`` in this process (armed dry run, torchrun's variables,
+    ``sys.argv`` = script and its arguments).
+
+    Returns:
+        ``(exit code of the script, the rank's report)``; the report has ``exit_code`` and, when
+        the script raised, ``error`` (the traceback's last line) and ``traceback``.
+
+    Raises:
+        ValueError: a bad world size, rank or per-node count (the message names it).
+    """
+    from ..context import gpc
+
+    sim = _simulation(args, rank)
+    dry = DryRun(sim, args.config, armed=True)
+    os.environ.update(torchrun_environment(sim))
+    gpc._dry_run = dry
+    dry.start_recording()
+    script = str(Path(args.script))
+    saved_argv = sys.argv
+    sys.argv = [script, *args.args]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    code = 0
+    error = ""
+    trace = ""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:  # the script's failure is part of the report
+        code = 1
+        error = f"{type(exc).__name__}: {exc}"
+        trace = traceback.format_exc()
+        sys.stderr.write(trace)
+    finally:
+        sys.argv = saved_argv
+        dry.stop_recording()
+    report = dry.report()
+    report["exit_code"] = code
+    if error:
+        report.update(error=error, traceback=trace)
+    if not dry.launches and not error:
+        report["error"] = "the script never launched gpc (no launch_from_torch / launch call ran)"
+        code = code or 1
+        report["exit_code"] = code
+    return code, report
+
+
+def _summary(report: dict[str, Any]) -> str:
+    coords = report.get("coords", {})
+    where = " ".join(f"{k}={coords[k]}" for k in ("tensor", "pipeline", "data", "context") if k in coords)
+    launch = report.get("launch_s")
+    took = f"launch {launch:.3f} s" if isinstance(launch, float) else "not launched"
+    state = (
+        "ok"
+        if report.get("exit_code", 0) == 0
+        else f"FAILED ({report.get('error') or 'exit ' + str(report.get('exit_code'))})"
+    )
+    return (
+        f"dry-run rank {report['rank']} of {report['world_size']}: {where} | "
+        f"{report.get('new_group_calls', 0)} new_group calls, {took} | {state}"
+    )
+
+
+def _run_single(args: argparse.Namespace) -> int:
+    code, report = run_one(args, args.rank)
+    sys.stdout.flush()
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(_summary(report))
+    elif args.quiet:
+        print(_summary(report))
+    else:
+        shown = {k: v for k, v in report.items() if k not in ("new_groups", "traceback")}
+        print(json.dumps(shown, indent=1))
+        print(_summary(report))
+    return code
+
+
+def _child(args: argparse.Namespace, rank: int, folder: Path) -> int:
+    """In a forked child: output to the rank's log, run the rank, write its report."""
+    log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        code, report = run_one(args, rank)
+    except BaseException as exc:
+        code, report = 1, {"rank": rank, "world_size": args.world_size, "exit_code": 1, "error": repr(exc)}
+    (folder / f"rank{rank}.json").write_text(json.dumps(report))
+    return code
+
+
+def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Run ``ranks`` in forked processes, ``args.jobs`` at a time, each bounded by
+    ``args.rank_timeout``.
+
+    Returns:
+        ``(reports by rank, failures)``: a failure names the rank, how it ended and the end of
+        its log.
+    """
+    import torch.distributed  # noqa: F401 - imported once, before the forks
+
+    from .. import context  # noqa: F401
+
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
+    folder = Path(tempfile.mkdtemp(prefix="parallelctx-dry-run-"))
+    pending = list(reversed(ranks))
+    running: dict[int, tuple[int, int, float]] = {}  # pidfd -> (pid, rank, deadline)
+    ends: dict[int, str] = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            rank = pending.pop()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    code = _child(args, rank, folder)
+                finally:
+                    os._exit(code)
+            running[os.pidfd_open(pid)] = (pid, rank, time.monotonic() + args.rank_timeout)
+        wait = max(0.0, min(d for _, _, d in running.values()) - time.monotonic())
+        ready, _, _ = select.select(list(running), [], [], wait)
+        now = time.monotonic()
+        for fd in list(running):
+            pid, rank, deadline = running[fd]
+            if fd not in ready and now < deadline:
+                continue
+            if fd not in ready:
+                os.kill(pid, signal.SIGKILL)
+                ends[rank] = f"did not finish within --rank-timeout {args.rank_timeout:g} s (killed)"
+            status = os.waitpid(pid, 0)[1]
+            if rank not in ends:
+                ends[rank] = f"exit code {os.waitstatus_to_exitcode(status)}"
+            os.close(fd)
+            del running[fd]
+    reports: dict[int, dict[str, Any]] = {}
+    failures: list[str] = []
+    for rank in ranks:
+        path = folder / f"rank{rank}.json"
+        log = folder / f"rank{rank}.log"
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        if path.exists():
+            reports[rank] = json.loads(path.read_text())
+        if rank not in reports or reports[rank].get("exit_code", 0) != 0 or "error" in reports[rank]:
+            why = reports.get(rank, {}).get("error") or ends.get(rank, "no report")
+            failures.append(
+                f"rank {rank} failed: {why}\n  its output ends:\n    " + tail.replace("\n", "\n    ")
+            )
+    return reports, failures
+
+
+def _run_many(args: argparse.Namespace) -> int:
+    from .sweep import check_all, parse_ranks
+
+    try:
+        ranks = parse_ranks(args.ranks, args.world_size)
+    except ValueError as exc:
+        print(f"parallelctx dry-run: {exc}", file=sys.stderr)
+        return 2
+    begin = time.perf_counter()
+    reports, failures = run_sweep(args, ranks)
+    mismatches = check_all(reports)
+    took = time.perf_counter() - begin
+    for line in failures + mismatches:
+        print(line)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "reports": {str(r): v for r, v in reports.items()},
+                    "failures": failures,
+                    "mismatches": mismatches,
+                }
+            )
+            + "\n"
+        )
+    verdict = "all checks passed" if not (failures or mismatches) else (
+        f"{len(failures)} ranks failed, {len(mismatches)} cross-rank mismatches"
+    )  # fmt: skip
+    print(
+        f"dry-run sweep: {len(ranks)} of {args.world_size} ranks in {took:.1f} s "
+        f"({max(1, args.jobs or os.cpu_count() or 1)} at a time): {verdict}"
+    )
+    return 1 if failures or mismatches else 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the ``dry-run`` command.
+
+    Returns:
+        The exit code: the script's for one rank; for a sweep 0 when every rank passed and every
+        cross-rank check agreed, 1 otherwise; 2 for bad options.
+    """
+    if not Path(args.script).is_file():
+        print(f"parallelctx dry-run: no script {args.script!r}", file=sys.stderr)
+        return 2
+    try:
+        _simulation(args, args.rank)
+    except ValueError as exc:
+        print(f"parallelctx dry-run: {exc}", file=sys.stderr)
+        return 2
+    if args.ranks is not None:
+        return _run_many(args)
+    return _run_single(args)

@@ -1,0 +1,389 @@
+"""Dry runs (docs/dry_run.md): ``parallelctx dry-run`` as one rank and as a sweep, the
+``simulate=`` launch, the cross-rank checks, and ``simulate=True`` plugin tests.
+
+Every run that launches goes through a fresh process (the CLI, or ``python -c``), as users run it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from parallelctx import plan
+from parallelctx.cli.sweep import check_all, check_membership, check_plan, parse_ranks
+from parallelctx.dryrun import parse_simulate, torchrun_environment
+from parallelctx.layout import ParallelMode
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "examples" / "dry_run" / "train.py"
+pytest_plugins = ["pytester"]
+
+
+def _cli(*args: str | Path, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "parallelctx", "dry-run", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+def _script(tmp_path: Path, body: str, name: str = "job.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def test_one_rank_of_16384_reports_plans_groups_coords_and_seeds(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    proc = _cli("--world-size", 16384, "--rank", 12345, "--json", out, TRAIN, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "dry-run rank 12345 of 16384" in proc.stdout
+    report = json.loads(out.read_text())
+    layout = plan(16384, tensor=8, pipeline=16)
+    want = {m.value: layout.group_of(m, 12345) for m in layout.modes() if m is not ParallelMode.GLOBAL}
+    assert report["groups"] == {m: g for m, g in want.items() if g}
+    for mode in report["groups"]:
+        assert report["coords"][mode] == layout.local_rank(mode, 12345)
+    assert report["coords"]["global"] == 12345
+    assert (report["world_size"], report["rank"], report["nproc_per_node"]) == (16384, 12345, 8)
+    from parallelctx.seed import STREAMS, mode_seed
+
+    seeds = {str(getattr(k, "value", k)): mode_seed(layout, 12345, k, 1234) for k in STREAMS}
+    assert report["seeds"] == seeds
+    # gpc's groups (tensor, pipeline, data, model and one one-rank group), local synchronization
+    assert report["launch_new_group_calls"] == report["new_group_calls"] == 5
+    assert all(c["local"] for c in report["new_groups"])
+    assert isinstance(report["launch_s"], float) and report["launch_s"] > 0
+    assert report["values"] == {"weight_shard": [512, 4096], "mesh_shape": [16, 1, 128, 1, 8]}
+    assert report["same_across"] == {"weight_shard": "tensor", "mesh_shape": "data"}
+
+
+def test_one_rank_prints_the_report_and_runs_the_script_with_torchruns_variables(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import os, sys
+        import parallelctx
+        from parallelctx import gpc
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE")
+        print("ENV", [os.environ[n] for n in names], sys.argv[1:])
+        parallelctx.launch_from_torch()  # the config comes from --config
+        print("GPC", gpc.get_world_size("tensor"), gpc.local_rank, gpc.node_rank, gpc.num_nodes,
+              gpc.num_processes_on_current_node, gpc.backend)
+        """,
+    )
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"parallel": {"tensor": 4}}))
+    proc = _cli(
+        "--world-size",
+        64,
+        "--rank",
+        13,
+        "--nproc-per-node",
+        4,
+        "--config",
+        cfg,
+        script,
+        "--lr",
+        "3",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "ENV ['13', '64', '1', '4', '3', '16'] ['--lr', '3']" in proc.stdout
+    assert "GPC 4 1 3 16 4 fake" in proc.stdout
+    printed = proc.stdout[proc.stdout.index("{") : proc.stdout.rindex("}") + 1]
+    assert json.loads(printed)["groups"]["tensor"] == [12, 13, 14, 15]
+
+
+def test_a_failing_script_fails_the_dry_run_with_its_error(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=3)))
+        """,
+    )
+    proc = _cli("--world-size", 16, "--rank", 0, "--quiet", script, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "tensor=3" in proc.stdout and "FAILED" in proc.stdout
+
+
+SKIPPER = """
+import torch.distributed as dist
+import parallelctx
+from parallelctx import gpc
+parallelctx.launch_from_torch(dict(parallel=dict(tensor=4, pipeline=4)))
+dist.new_group([4, 5])
+if gpc.get_global_rank() != 17:
+    dist.new_group([0, 1, 2, 3])
+gpc.destroy()
+"""
+
+
+@pytest.mark.parametrize("world", [64, pytest.param(256, marks=pytest.mark.sweeps)])
+def test_sweep_of_all_ranks_names_the_rank_that_skips_a_world_group(tmp_path: Path, world: int) -> None:
+    script = _script(tmp_path, SKIPPER)
+    proc = _cli("--world-size", world, "--ranks", "all", script, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stdout.splitlines() if "skipped" in ln]
+    assert len(lines) == 1, proc.stdout
+    assert lines[0].startswith("rank 17 skipped new_group([0, 1, 2, 3]), call 2 of the 2"), lines
+    assert "job.py:8" in lines[0]
+    assert (
+        f"{world} of {world} ranks" in proc.stdout
+        and "0 ranks failed, 1 cross-rank mismatches" in proc.stdout
+    )
+
+
+def test_sweep_passes_a_consistent_script_and_writes_every_report(tmp_path: Path) -> None:
+    out = tmp_path / "sweep.json"
+    proc = _cli("--world-size", 1024, "--ranks", "sample:6", "--json", out, TRAIN, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "6 of 1024 ranks" in proc.stdout and "all checks passed" in proc.stdout
+    saved = json.loads(out.read_text())
+    assert {0, 1023} <= {int(r) for r in saved["reports"]} and len(saved["reports"]) == 6
+    assert saved["mismatches"] == [] and saved["failures"] == []
+
+
+def test_sweep_names_ranks_whose_same_across_values_differ_and_missing_local_members(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        import parallelctx
+        from parallelctx import gpc
+        from parallelctx.dryrun import record
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=4)))
+        rank = gpc.get_global_rank()
+        record("hidden", 1024 if rank != 6 else 1000, same_across="tensor")
+        if rank == 0:
+            dist.new_group([0, 1], use_local_synchronization=True)
+        """,
+    )
+    proc = _cli("--world-size", 8, "--ranks", "all", script, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "'hidden' must be the same across the tensor group [4, 5, 6, 7]" in proc.stdout
+    assert "ranks [4, 5, 7]: 1024; ranks [6]: 1000" in proc.stdout
+    assert "ranks [1] are members of new_group([0, 1], use_local_synchronization=True)" in proc.stdout
+
+
+def test_sweep_names_a_local_group_made_after_different_group_counts(tmp_path: Path) -> None:
+    # With 4 pipeline stages only the first and last hold an embedding group, so a group of
+    # ranks 0 (first stage) and 1 (a middle stage) made after launch gets a different torch name
+    # on each: a real 4-rank gloo job times out in this new_group on rank 1.
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch(dict(parallel=dict(pipeline=4)))
+        if gpc.get_global_rank() < 2:
+            dist.new_group([0, 1], use_local_synchronization=True)
+        """,
+    )
+    proc = _cli("--world-size", 4, "--ranks", "all", script, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "new_group([0, 1], use_local_synchronization=True) at " in proc.stdout
+    assert (
+        "job.py:7 comes after 3 process groups on most of its members but not on ranks [1] (after 2)"
+        in proc.stdout
+    )
+
+
+def test_sweep_reports_a_rank_that_fails_and_its_output(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch(dict(parallel=dict(pipeline=2)))
+        if gpc.get_global_rank() == 3:
+            print("about to fail")
+            raise RuntimeError("shape 7 does not divide on the last stage")
+        """,
+    )
+    proc = _cli("--world-size", 4, "--ranks", "0,3", "--jobs", 2, script, cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "rank 3 failed: RuntimeError: shape 7 does not divide on the last stage" in proc.stdout
+    assert "about to fail" in proc.stdout
+    assert "rank 0 failed" not in proc.stdout
+
+
+def test_sweep_kills_and_names_every_rank_that_hangs(tmp_path: Path) -> None:
+    # Ten hanging ranks at once: ten kills in one sweep, each named, and the others still pass.
+    script = _script(
+        tmp_path,
+        """
+        import time
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch()
+        if 0 < gpc.get_global_rank() < 11:
+            time.sleep(600)
+        """,
+    )
+    proc = _cli(
+        "--world-size", 12, "--ranks", "all", "--jobs", 12, "--rank-timeout", 10, script, cwd=tmp_path, timeout=200
+    )  # fmt: skip
+    assert proc.returncode == 1
+    failed = [ln for ln in proc.stdout.splitlines() if " failed: " in ln]
+    assert failed == [
+        f"rank {r} failed: did not finish within --rank-timeout 10 s (killed)" for r in range(1, 11)
+    ]
+
+
+def test_simulate_launch_in_process_runs_the_bridges_and_restores_torch() -> None:
+    code = textwrap.dedent(
+        """
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
+        import torch, torch.distributed as dist
+        from torch.distributed.tensor import Shard, distribute_tensor
+        import parallelctx, parallelctx.megatron, parallelctx.torchtitan
+        from parallelctx import gpc
+        original = dist.new_group
+        parallelctx.launch(dict(parallel=dict(tensor=8, pipeline=16)),
+                           simulate=dict(world_size=131072, rank=99999))
+        assert dist.new_group is not original
+        tp = gpc.device_mesh["tp"]
+        with torch.device("meta"):
+            w = distribute_tensor(torch.empty(1024, 64), tp, [Shard(0)])
+        print("LOCAL", list(w.to_local().shape))
+        from torch.distributed.fsdp import fully_shard
+        model = torch.nn.Linear(64, 4096, device="meta")
+        fully_shard(model, mesh=gpc.device_mesh["dp"])
+        print("FSDP", list(model.weight.to_local().shape))
+        print("TITAN", parallelctx.torchtitan.parallel_dims().tp)
+        print("MEGATRON", parallelctx.megatron.process_groups().pp.size())
+        parallelctx.megatron.install()
+        from megatron.core import parallel_state
+        print("PARALLEL_STATE", parallel_state.get_pipeline_model_parallel_rank())
+        x = torch.ones(2)
+        for _ in range(3):
+            dist.all_reduce(x, group=gpc.get_group("data"))
+        dist.broadcast(x, 0)
+        print("NODES", gpc.num_nodes, gpc.node_rank, gpc.local_rank)
+        report = gpc.dry_run.report()
+        gpc.destroy()
+        assert dist.new_group is original and not dist.is_initialized()
+        assert gpc.dry_run.report()["groups"] == report["groups"]
+        print("COLLECTIVES", report["collectives"])
+        parallelctx.launch(rank=0, world_size=1)  # a real launch again
+        print("REAL", gpc.backend, gpc.get_world_size("global"))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "LOCAL [128, 64]" in out and "TITAN 8" in out and "MEGATRON 16" in out
+    assert "PARALLEL_STATE 12" in out  # 99999 // (8 * 1024)
+    assert "FSDP [4, 64]" in out  # 4096 rows over 1024 data ranks
+    assert "NODES 16384 12499 7" in out
+    assert "COLLECTIVES {'all_reduce': 3, 'broadcast': 1}" in out
+    logged = [ln for ln in out.splitlines() if ln.startswith("LOG parallelctx dry run: torch.distributed.")]
+    assert len(logged) == 2, logged  # once per kind
+    assert "REAL gloo 1" in out
+
+
+def test_parse_simulate_and_ranks_name_the_bad_value() -> None:
+    sim = parse_simulate({"world_size": 16384, "rank": 12345})
+    assert (sim.nproc_per_node, sim.local_rank, sim.node) == (8, 1, 1543)
+    assert torchrun_environment(sim)["GROUP_WORLD_SIZE"] == "2048"
+    with pytest.raises(ValueError, match="rank=16384 must lie in"):
+        parse_simulate({"world_size": 16384, "rank": 16384})
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_simulate({"world_size": 4, "rank": 0, "ranks": 1})
+    with pytest.raises(ValueError, match="nproc_per_node=3"):
+        parse_simulate({"world_size": 16, "rank": 0, "nproc_per_node": 3})
+    assert parse_ranks("0,17,9000", 16384) == [0, 17, 9000]
+    picked = parse_ranks("sample:10", 1024)
+    assert len(picked) == 10 and picked[0] == 0 and picked[-1] == 1023
+    with pytest.raises(ValueError, match="rank 9000 is outside"):
+        parse_ranks("0,9000", 1024)
+
+
+def _report(rank: int, groups: dict[str, list[int]]) -> dict:
+    parallel = {"tensor": {"size": 2}}
+    return {"rank": rank, "world_size": 4, "parallel": parallel, "groups": groups, "new_groups": []}
+
+
+def test_checks_name_ranks_whose_groups_disagree_with_plan_or_with_each_other() -> None:
+    layout = plan(4, tensor=2)
+    good = {
+        r: _report(r, {m.value: layout.group_of(m, r) for m in layout.modes() if m.value != "global"})
+        for r in range(4)
+    }
+    assert check_all(good) == []
+    bad = copy.deepcopy(good)
+    bad[1]["groups"]["tensor"] = [1, 2]
+    assert any(
+        m.startswith("rank 1: its tensor group is [1, 2] but plan says [0, 1]") for m in check_plan(bad)
+    )
+    found = check_membership(bad)
+    assert "tensor group: rank 0 lists [0, 1] but rank 1 lists [1, 2]" in found
+    assert "tensor group: rank 1 lists [1, 2] but rank 2 lists [2, 3]" in found
+
+
+def test_plugin_simulate_true_runs_a_4096_rank_test_on_the_pool(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        import os
+        from pathlib import Path
+        import pytest, torch.distributed as dist
+        from parallelctx import gpc
+        from parallelctx.dryrun import record
+
+        @pytest.mark.parallel(world_size=4096, tensor=8, pipeline=16, simulate=True)
+        def test_default_ranks(tmp_path):
+            assert gpc.get_world_size("global") == 4096 and gpc.get_world_size("tensor") == 8
+            record("tp", 8, same_across="tensor")
+            gpc.device_mesh
+            (tmp_path / f"rank{gpc.get_global_rank()}-pid{os.getpid()}").touch()
+            Path(f"played-{gpc.get_global_rank()}").touch()
+
+        @pytest.mark.parallel(world_size=256, tensor=4, pipeline=4, simulate=True, ranks=[0, 1, 17, 255])
+        def test_skip_named():
+            if gpc.get_global_rank() != 17:
+                dist.new_group([0, 1, 2, 3])
+
+        @pytest.mark.parallel(world_size=64, simulate=True, ranks=[5, 40])
+        def test_failure_names_the_simulated_rank():
+            assert gpc.get_global_rank() != 40, "wrong on the last rank"
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=2)
+    played = sorted(int(p.name.split("-")[1]) for p in pytester.path.glob("played-*"))
+    layout = plan(4096, tensor=8, pipeline=16)
+    ends = {*layout.group_of("pipeline", 0), *layout.group_of("pipeline", 4095)}
+    assert played == sorted(ends) and len(played) == 32 and {0, 4095} <= set(played)
+    text = result.stdout.str()
+    assert "rank 17 skipped new_group([0, 1, 2, 3])" in text
+    assert "dry run of rank 40 of 64" in text and "wrong on the last rank" in text
+
+
+def test_the_dry_run_benchmark_runs_once_at_a_tiny_size() -> None:
+    """benchmarks.dry_run cannot rot; its timings decide nothing."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.dry_run",
+        "--worlds",
+        "128",
+        "--repeats",
+        "1",
+        "--sweep-world",
+        "8",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| 128 |" in proc.stdout and "Sweep: all 8 ranks" in proc.stdout and "checks passed" in proc.stdout
