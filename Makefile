@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean
+.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean test-engines venv-engines
 
 venv: $(STAMP)
 
@@ -22,13 +22,31 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.cli.demo --config configs/demo_3d.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers and not faults" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults and not engines" -q
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q
 
 test-launchers: $(STAMP)
 	$(BIN)/python -m pytest -m launchers -q
+
+# DeepSpeed, Ray Train, Accelerate, Lightning Fabric (docs/engines.md): a venv of their own,
+# torch pinned as above; DeepSpeed without its compiled ops (CPU accelerator, gloo).
+ENGINES        := .venv-engines
+ENGINES_STAMP  := $(ENGINES)/.parallelctx-installed
+ENGINES_PIP    := $(ENGINES)/bin/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
+ENGINES_TESTS  := tests/test_engine_deepspeed.py tests/test_engine_ray.py tests/test_engine_accelerate.py tests/test_engine_lightning.py
+
+venv-engines: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
+	$(ENGINES_PIP) torch==2.13.0
+	DS_BUILD_OPS=0 $(ENGINES_PIP) -e '.[engines-test]'
+	touch $(ENGINES_STAMP)
+
+test-engines: $(ENGINES_STAMP)
+	$(ENGINES)/bin/python -m pytest -m engines -q $(ENGINES_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check parallelctx tests benchmarks examples
@@ -46,4 +64,4 @@ bench-plugin: $(STAMP)
 	$(BIN)/python -m benchmarks.plugin_pool --append-results
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(ENGINES) .pytest_cache build *.egg-info
