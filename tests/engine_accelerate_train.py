@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
-from engine_models import TPMLP, batches, check_equals_serial, my_share
+from engine_models import TPMLP, batches, check_equals_serial, full_weights, my_share, shard
 from torch.nn.parallel import DistributedDataParallel
 
 import parallelctx
@@ -47,15 +47,20 @@ def main() -> None:
         "worst": worst,
         "adopted": adopted,
     }
-    del model
+    # what cannot work: the engine's own model wrapper is DDP over every process, whose first
+    # broadcast gives tensor rank 1 the shard of global rank 0
+    wrapped = accelerator.prepare(TPMLP())
+    first = shard(full_weights(), 0, 2)["w1"]
+    record["engine_wrapper_copied_rank_0s_shard"] = torch.equal(wrapped.module.w1.detach(), first)
+    del model, wrapped
     gpc.destroy()
     t = torch.ones(1)
     dist.all_reduce(t)  # Accelerate's group is still there: gpc did not make it, so it keeps it
     record["after_destroy"] = {"initialized": dist.is_initialized(), "world_sum": t.item()}
     accelerator.wait_for_everyone()
     Path(out, f"rank-{record['rank']}.json").write_text(json.dumps(record))
-    accelerator.end_training()
-    dist.destroy_process_group()
+    accelerator.end_training()  # Accelerate tears its own group down
+    assert not dist.is_initialized()
 
 
 if __name__ == "__main__":

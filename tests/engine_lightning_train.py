@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from engine_models import TPMLP, batches, check_equals_serial, my_share
+from engine_models import TPMLP, batches, check_equals_serial, full_weights, my_share, shard
 from lightning.fabric import Fabric
 from torch.nn.parallel import DistributedDataParallel
 
@@ -48,7 +48,12 @@ def main() -> None:
         "worst": worst,
         "adopted": adopted,
     }
-    del model
+    # what cannot work: the engine's own model wrapper is DDP over every process, whose first
+    # broadcast gives tensor rank 1 the shard of global rank 0
+    wrapped = fabric.setup_module(TPMLP())
+    first = shard(full_weights(), 0, 2)["w1"]
+    record["engine_wrapper_copied_rank_0s_shard"] = torch.equal(wrapped.module.w1.detach(), first)
+    del model, wrapped
     gpc.destroy()
     t = torch.ones(1)
     dist.all_reduce(t)  # Fabric's group is still there: gpc did not make it, so it keeps it

@@ -38,3 +38,9 @@ def test_gpc_adopts_the_engines_group_and_leaves_it(records: list[dict[str, Any]
     for rank, rec in enumerate(records):
         assert rec["adopted"] and rec["accelerate_rank"] == rank
         assert rec["after_destroy"] == {"initialized": True, "world_sum": 4.0}
+
+
+def test_the_engines_own_model_wrapper_cannot_hold_tensor_shards(records: list[dict[str, Any]]) -> None:
+    # accelerator.prepare wraps in DDP over all 4 processes: its first broadcast overwrites
+    # tensor rank 1's shard with rank 0's (docs/engines.md says why the tests wrap DDP themselves)
+    assert [rec["engine_wrapper_copied_rank_0s_shard"] for rec in records] == [True] * 4
