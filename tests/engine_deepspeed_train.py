@@ -67,8 +67,12 @@ def train(stage: int, out: Path) -> dict:
         "data_rank": gpc.data.rank,
         "dp_world_size": engine.dp_world_size,
     }
-    if stage == 2 and gpc.data.rank == 0 and gpc.pipeline.size == 1:  # the file named after gpc's model-parallel rank holds its shard
-        state = torch.load(ckpt / "t" / f"mp_rank_{record['model_rank']:02d}_model_states.pt", weights_only=False)
+    if (
+        stage == 2 and gpc.data.rank == 0 and gpc.pipeline.size == 1
+    ):  # the file named after gpc's model-parallel rank holds its shard
+        state = torch.load(
+            ckpt / "t" / f"mp_rank_{record['model_rank']:02d}_model_states.pt", weights_only=False
+        )
         for name, value in mine.items():
             torch.testing.assert_close(state["module"][name], value, rtol=0, atol=0)
         record["checked_file"] = True

@@ -55,7 +55,12 @@ def full_weights(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
 def shard(weights: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
     """Tensor rank ``rank``'s slice of ``weights``: w1/b1 by rows, w2 by columns, b2 whole."""
     part = slice(rank * FFN // size, (rank + 1) * FFN // size)
-    return {"w1": weights["w1"][part], "b1": weights["b1"][part], "w2": weights["w2"][:, part], "b2": weights["b2"]}
+    return {
+        "w1": weights["w1"][part],
+        "b1": weights["b1"][part],
+        "w2": weights["w2"][:, part],
+        "b2": weights["b2"],
+    }
 
 
 class TPMLP(nn.Module):

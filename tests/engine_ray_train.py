@@ -29,7 +29,9 @@ def train_func(config: dict[str, Any]) -> None:
     from parallelctx import ParallelMode, gpc
 
     rays_group = dist.group.WORLD
-    env = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")}
+    env = {
+        k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
+    }
     parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
     adopted = gpc.get_group(ParallelMode.GLOBAL) is rays_group
     model = DistributedDataParallel(TPMLP(), process_group=gpc.get_group(ParallelMode.DATA))

@@ -16,7 +16,9 @@ import pytest
 from torchrun_helpers import run_torchrun
 
 pytestmark = pytest.mark.engines
-pytest.importorskip("accelerate", reason="the accelerate extra is not installed (make test-engines installs it)")
+pytest.importorskip(
+    "accelerate", reason="the accelerate extra is not installed (make test-engines installs it)"
+)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,9 @@ import pytest
 from torchrun_helpers import run_torchrun
 
 pytestmark = pytest.mark.engines
-pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed (make test-engines installs it)")
+pytest.importorskip(
+    "deepspeed", reason="the deepspeed extra is not installed (make test-engines installs it)"
+)
 
 
 @pytest.fixture(scope="module")
