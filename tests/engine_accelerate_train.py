@@ -29,7 +29,7 @@ def main() -> None:
     accelerator = Accelerator(cpu=True)
     assert dist.is_initialized() and accelerator.num_processes == 4
     accelerates_group = dist.group.WORLD
-    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     adopted = gpc.get_group(ParallelMode.GLOBAL) is accelerates_group
     model = DistributedDataParallel(TPMLP(), process_group=gpc.get_group(ParallelMode.DATA))
     opt = accelerator.prepare(torch.optim.SGD(model.parameters(), lr=0.1))

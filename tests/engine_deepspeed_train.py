@@ -82,11 +82,11 @@ def train(stage: int, out: Path) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     records = [train(stage, out) for stage in (1, 2, 3)]
     # checkpoint names follow gpc's model-parallel rank (tensor × pipeline): 4 model shards here
     gpc.destroy()
-    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=2)))
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=2), dist=dict(timeout=300)))
     records.append(train(2, out))
     Path(out, f"rank-{gpc.get_global_rank()}.json").write_text(json.dumps(records))
     gpc.destroy()

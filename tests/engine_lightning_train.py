@@ -30,7 +30,7 @@ def main() -> None:
     fabric.launch()
     assert dist.is_initialized() and fabric.world_size == 4
     fabrics_group = dist.group.WORLD
-    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     adopted = gpc.get_group(ParallelMode.GLOBAL) is fabrics_group
     model = DistributedDataParallel(TPMLP(), process_group=gpc.get_group(ParallelMode.DATA))
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -32,7 +32,7 @@ def train_func(config: dict[str, Any]) -> None:
     env = {
         k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK")
     }
-    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     adopted = gpc.get_group(ParallelMode.GLOBAL) is rays_group
     model = DistributedDataParallel(TPMLP(), process_group=gpc.get_group(ParallelMode.DATA))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from torchrun_helpers import run_torchrun
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(720)]  # a loaded machine: the run, not a hang
 pytest.importorskip(
     "lightning", reason="the lightning extra is not installed (make test-engines installs it)"
 )

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(720)]  # a loaded machine: the run, not a hang
 pytest.importorskip("ray.train", reason="the ray extra is not installed (make test-engines installs it)")
 
 ROOT = Path(__file__).resolve().parent.parent
