@@ -1,7 +1,8 @@
 """Run under torchrun (8 ranks): ZeRO stage 1, 2 and 3 through ``deepspeed.initialize(...,
 mpu=parallelctx.deepspeed.mpu())`` with a tensor=2 model; each rank writes what it saw.
 
-Then ZeRO-2 again with tensor=2 × pipeline=2 (each pipeline stage a replica here: the
+Then ZeRO-2 with the gradient norm clipped (the norm summed over gpc's model-parallel group), and
+ZeRO-2 again with tensor=2 × pipeline=2 (each pipeline stage a replica here: the
 four model-parallel ranks name four checkpoint files).
 
 Usage: torchrun --standalone --nproc-per-node 8 tests/engine_deepspeed_train.py OUT_DIR
@@ -26,16 +27,19 @@ import parallelctx
 import parallelctx.deepspeed
 from parallelctx import ParallelMode, gpc
 
+CLIP = 0.05
 
-def train(stage: int, out: Path) -> dict:
-    """Train 3 steps under ZeRO ``stage``; save a DeepSpeed checkpoint; return this rank's record."""
+
+def train(stage: int, out: Path, clip: float = 0.0) -> dict:
+    """Train 3 steps under ZeRO ``stage`` (gradient norm clipped to ``clip`` when > 0); save a
+    DeepSpeed checkpoint; return this rank's record."""
     model = TPMLP()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": 0.0,
+        "gradient_clipping": clip,
         "steps_per_print": 1000,
     }
     mpu = parallelctx.deepspeed.mpu()
@@ -52,12 +56,13 @@ def train(stage: int, out: Path) -> dict:
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         mine = {n: p.detach().clone() for n, p in zip(names, params)}
-    worst = check_equals_serial(mine)
-    ckpt = out / f"zero{stage}-tp{gpc.tensor.size}-pp{gpc.pipeline.size}"
+    worst = check_equals_serial(mine, clip=clip or None)
+    ckpt = out / f"zero{stage}-tp{gpc.tensor.size}-pp{gpc.pipeline.size}-clip{clip}"
     engine.save_checkpoint(str(ckpt), tag="t")
     dist.barrier()
     record = {
         "stage": stage,
+        "clip": clip,
         "layout": [gpc.tensor.size, gpc.pipeline.size, gpc.data.size],
         "steps": STEPS,
         "worst": worst,
@@ -84,6 +89,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     records = [train(stage, out) for stage in (1, 2, 3)]
+    # clipping: DeepSpeed sums the gradient norm over gpc's data and model-parallel groups
+    records.append(train(2, out, clip=CLIP))
     # checkpoint names follow gpc's model-parallel rank (tensor × pipeline): 4 model shards here
     gpc.destroy()
     parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=2), dist=dict(timeout=300)))

@@ -71,6 +71,9 @@ class TPMLP(nn.Module):
         mine = shard(full_weights(dtype), gpc.tensor.rank, gpc.tensor.size)
         for name, value in mine.items():
             self.register_parameter(name, nn.Parameter(value.clone()))
+            # Megatron's mark of a sharded parameter (b2 is replicated): DeepSpeed's gradient norm
+            # counts a sharded one on every tensor rank and a replicated one on tensor rank 0 only
+            getattr(self, name).tensor_model_parallel = name != "b2"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(F.linear(_Copy.apply(x), self.w1, self.b1))
@@ -94,26 +97,34 @@ def my_share(batch: tuple[torch.Tensor, torch.Tensor], replica: int) -> tuple[to
     return x[rows], y[rows]
 
 
-def serial_weights(replicas: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """The whole model after ``STEPS`` SGD steps on the whole batches, in this process."""
+def serial_weights(
+    replicas: int, dtype: torch.dtype = torch.float32, clip: float | None = None
+) -> dict[str, torch.Tensor]:
+    """The whole model after ``STEPS`` SGD steps on the whole batches, in this process; with
+    ``clip``, the gradient's global norm clipped to it first (every step asserts it is clipped)."""
     w = {k: v.clone().requires_grad_(True) for k, v in full_weights(dtype).items()}
     opt = torch.optim.SGD(list(w.values()), lr=LR)
     for x, y in batches(replicas, dtype):
         opt.zero_grad()
         out = F.linear(torch.tanh(F.linear(x, w["w1"], w["b1"])), w["w2"], w["b2"])
         F.mse_loss(out, y).backward()
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(list(w.values()), clip)
+            assert norm > 2 * clip, f"the gradient norm {norm} is not clipped by {clip}"
         opt.step()
     return {k: v.detach() for k, v in w.items()}
 
 
-def check_equals_serial(mine: dict[str, torch.Tensor], atol: float = 1e-6) -> float:
+def check_equals_serial(
+    mine: dict[str, torch.Tensor], atol: float = 1e-6, clip: float | None = None
+) -> float:
     """Compare this rank's trained shard with the serial run's; return the largest difference.
 
     Raises:
         AssertionError: a weight differs by more than ``atol``, or did not change in training.
     """
     dtype = next(iter(mine.values())).dtype
-    want = shard(serial_weights(gpc.data.size, dtype), gpc.tensor.rank, gpc.tensor.size)
+    want = shard(serial_weights(gpc.data.size, dtype, clip), gpc.tensor.rank, gpc.tensor.size)
     start = shard(full_weights(dtype), gpc.tensor.rank, gpc.tensor.size)
     worst = 0.0
     for name, value in mine.items():

@@ -34,7 +34,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any
 
 def test_zero_1_2_3_with_tensor_2_equal_a_serial_run(records: list[list[dict[str, Any]]]) -> None:
     for rank, runs in enumerate(records):
-        assert [r["stage"] for r in runs] == [1, 2, 3, 2]
+        assert [r["stage"] for r in runs] == [1, 2, 3, 2, 2]
         for run in runs[:3]:
             assert run["layout"] == [2, 1, 4]
             assert run["steps"] == 3
@@ -63,10 +63,19 @@ def test_model_parallel_rank_spans_tensor_and_pipeline(records: list[list[dict[s
     # tensor=2 × pipeline=2 on 8 ranks, default order: MODEL groups [0,1,4,5] [2,3,6,7]
     expected = {0: 0, 1: 1, 4: 2, 5: 3, 2: 0, 3: 1, 6: 2, 7: 3}
     for rank, runs in enumerate(records):
-        run = runs[3]
+        run = runs[4]
         assert run["layout"] == [2, 2, 2]
         assert run["model_rank"] == expected[rank]
         assert run["worst"] <= 1e-6
         assert [f for f in run["files"] if not f.startswith("zero_")] == [
             f"mp_rank_{i:02d}_model_states.pt" for i in range(4)
         ]
+
+
+def test_clipping_sums_the_norm_over_gpcs_model_parallel_group(records: list[list[dict[str, Any]]]) -> None:
+    # ZeRO-2 with gradient_clipping=0.05 (the serial norm is > 0.1 at every step): the clipped steps
+    # equal the serial run's only if the norm covers both tensor shards once and b2 once
+    for runs in records:
+        run = runs[3]
+        assert run["clip"] == 0.05 and run["layout"] == [2, 1, 4]
+        assert run["worst"] <= 1e-6
