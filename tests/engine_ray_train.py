@@ -49,6 +49,7 @@ def train_func(config: dict[str, Any]) -> None:
         "worst": worst,
         "adopted": adopted,
         "env": env,
+        "gpc_local": [gpc.local_rank, gpc.num_processes_on_current_node, gpc.num_nodes],
     }
     del model
     gpc.destroy()

@@ -62,6 +62,8 @@ def test_gpc_adopts_rays_group_and_env(run: tuple[list[dict[str, Any]], dict[str
         assert rec["adopted"], "gpc's GLOBAL group is the default group Ray made"
         assert rec["env"]["RANK"] == str(rank) and rec["env"]["WORLD_SIZE"] == "4"
         assert rec["env"]["LOCAL_WORLD_SIZE"] == "4" and rec["env"]["NODE_RANK"] == "0"
+        assert rec["env"]["LOCAL_RANK"] == str(rank)
+        assert rec["gpc_local"] == [rank, 4, 1]  # gpc's local rank is Ray's; one node of 4
 
 
 def test_destroy_leaves_rays_group_and_shutdown_is_clean(
