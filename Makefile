@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers test-sweeps lint bench bench-plugin venv clean
+.PHONY: demo test test-faults test-launchers test-sweeps test-engines venv-engines lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python -m parallelctx dry-run --world-size 16384 --rank 12345 --quiet examples/dry_run/train.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps and not engines" -q
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q
@@ -34,6 +34,23 @@ test-launchers: $(STAMP)
 # dry-run sweeps of every rank of a few hundred ranks (docs/dry_run.md)
 test-sweeps: $(STAMP)
 	$(BIN)/python -m pytest -m sweeps -q
+# DeepSpeed, Ray Train, Accelerate, Lightning Fabric (docs/engines.md): a venv of their own,
+# torch pinned as above; DeepSpeed without its compiled ops (CPU accelerator, gloo).
+ENGINES        := .venv-engines
+ENGINES_STAMP  := $(ENGINES)/.parallelctx-installed
+ENGINES_PIP    := $(ENGINES)/bin/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
+ENGINES_TESTS  := tests/test_engine_deepspeed.py tests/test_engine_ray.py tests/test_engine_accelerate.py tests/test_engine_lightning.py
+
+venv-engines: $(ENGINES_STAMP)
+
+$(ENGINES_STAMP): pyproject.toml requirements/constraints.txt
+	test -x $(ENGINES)/bin/python || $(PYTHON) -m venv $(ENGINES)
+	$(ENGINES_PIP) torch==2.13.0
+	DS_BUILD_OPS=0 $(ENGINES_PIP) -e '.[engines-test]'
+	touch $(ENGINES_STAMP)
+
+test-engines: $(ENGINES_STAMP)
+	$(ENGINES)/bin/python -m pytest -m engines -q $(ENGINES_TESTS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check parallelctx tests benchmarks examples
@@ -52,4 +69,4 @@ bench-plugin: $(STAMP)
 	$(BIN)/python -m benchmarks.plugin_pool --append-results
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(ENGINES) .pytest_cache build *.egg-info

@@ -25,6 +25,8 @@ MODULES = [
     "groups",
     "megatron",
     "torchtitan",
+    "deepspeed",
+    "pipelining",
     "rendezvous",
     "abort",
     "spawn",

@@ -32,7 +32,7 @@ TORCH_FREE = [
     "cli/dry_run",
 ]
 # Integrations: modules named after the library or torch feature they bridge (docs/internals.md).
-INTEGRATIONS = ["mesh", "checkpoint", "megatron", "torchtitan"]
+INTEGRATIONS = ["mesh", "checkpoint", "megatron", "torchtitan", "pipelining", "deepspeed"]
 
 
 def _imports(module: str) -> list[tuple[str, bool]]:

@@ -1,0 +1,103 @@
+"""Run under torchrun (8 ranks): ZeRO stage 1, 2 and 3 through ``deepspeed.initialize(...,
+mpu=parallelctx.deepspeed.mpu())`` with a tensor=2 model; each rank writes what it saw.
+
+Then ZeRO-2 with the gradient norm clipped (the norm summed over gpc's model-parallel group), and
+ZeRO-2 again with tensor=2 × pipeline=2 (each pipeline stage a replica here: the
+four model-parallel ranks name four checkpoint files).
+
+Usage: torchrun --standalone --nproc-per-node 8 tests/engine_deepspeed_train.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import deepspeed
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from engine_models import STEPS, TPMLP, batches, check_equals_serial, my_share
+
+import parallelctx
+import parallelctx.deepspeed
+from parallelctx import ParallelMode, gpc
+
+CLIP = 0.05
+
+
+def train(stage: int, out: Path, clip: float = 0.0) -> dict:
+    """Train 3 steps under ZeRO ``stage`` (gradient norm clipped to ``clip`` when > 0); save a
+    DeepSpeed checkpoint; return this rank's record."""
+    model = TPMLP()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "steps_per_print": 1000,
+    }
+    mpu = parallelctx.deepspeed.mpu()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
+    assert engine.dp_world_size == gpc.data.size, (engine.dp_world_size, gpc.data.size)
+    assert engine.mp_world_size == gpc.get_world_size(ParallelMode.MODEL)
+    for batch in batches(gpc.data.size):
+        x, y = my_share(batch, gpc.data.rank)
+        loss = F.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+    names = [n for n, _ in engine.module.named_parameters()]
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        mine = {n: p.detach().clone() for n, p in zip(names, params)}
+    worst = check_equals_serial(mine, clip=clip or None)
+    ckpt = out / f"zero{stage}-tp{gpc.tensor.size}-pp{gpc.pipeline.size}-clip{clip}"
+    engine.save_checkpoint(str(ckpt), tag="t")
+    dist.barrier()
+    record = {
+        "stage": stage,
+        "clip": clip,
+        "layout": [gpc.tensor.size, gpc.pipeline.size, gpc.data.size],
+        "steps": STEPS,
+        "worst": worst,
+        "files": sorted(p.name for p in (ckpt / "t").iterdir()),
+        "model_rank": mpu.get_model_parallel_rank(),
+        "tensor_rank": gpc.tensor.rank,
+        "data_rank": gpc.data.rank,
+        "dp_world_size": engine.dp_world_size,
+    }
+    if (
+        stage == 2 and gpc.data.rank == 0 and gpc.pipeline.size == 1
+    ):  # the file named after gpc's model-parallel rank holds its shard
+        state = torch.load(
+            ckpt / "t" / f"mp_rank_{record['model_rank']:02d}_model_states.pt", weights_only=False
+        )
+        for name, value in mine.items():
+            torch.testing.assert_close(state["module"][name], value, rtol=0, atol=0)
+        record["checked_file"] = True
+    engine.destroy()
+    return record
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
+    records = [train(stage, out) for stage in (1, 2, 3)]
+    # clipping: DeepSpeed sums the gradient norm over gpc's data and model-parallel groups
+    records.append(train(2, out, clip=CLIP))
+    # checkpoint names follow gpc's model-parallel rank (tensor × pipeline): 4 model shards here
+    gpc.destroy()
+    parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=2), dist=dict(timeout=300)))
+    records.append(train(2, out))
+    Path(out, f"rank-{gpc.get_global_rank()}.json").write_text(json.dumps(records))
+    gpc.destroy()
+
+
+if __name__ == "__main__":
+    main()

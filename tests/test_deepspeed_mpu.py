@@ -1,0 +1,71 @@
+"""parallelctx.deepspeed.mpu(): every answer DeepSpeed asks for is gpc's, proved by collectives.
+
+DeepSpeed itself is not needed here (the object imports nothing from it); the training runs under
+``deepspeed.initialize`` are in tests/test_engine_deepspeed.py (make test-engines).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallelctx import ParallelMode, gpc
+from parallelctx.deepspeed import DeepSpeedMPU, mpu
+from parallelctx.views import NotLaunchedError
+
+M = ParallelMode
+FAMILIES = {
+    "model": M.MODEL,
+    "tensor_model": M.TENSOR,
+    "pipeline_model": M.PIPELINE,
+    "data": M.DATA,
+    "sequence": M.CONTEXT,
+    "sequence_data": M.DATA_CONTEXT,
+}
+
+
+def _members(group: object) -> list[int]:
+    """The global ranks of ``group``, by an all-gather over it."""
+    me = torch.tensor([dist.get_rank()])
+    out = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(group))]  # type: ignore[arg-type]
+    dist.all_gather(out, me, group=group)  # type: ignore[arg-type]
+    return sorted(int(t) for t in out)
+
+
+@pytest.mark.parallel(world_size=8, layouts=[dict(tensor=2, pipeline=2), dict(tensor=2, context=2)])
+def test_every_getter_answers_from_gpcs_groups() -> None:
+    unit = mpu()
+    for family, mode in FAMILIES.items():
+        group = getattr(unit, f"get_{family}_parallel_group")()
+        size = getattr(unit, f"get_{family}_parallel_world_size")()
+        rank = getattr(unit, f"get_{family}_parallel_rank")()
+        members = _members(group)
+        assert members == gpc.get_ranks_in_group(mode), family
+        assert size == len(members) == gpc.get_world_size(mode), family
+        assert members[rank] == gpc.get_global_rank(), family
+    assert unit.get_model_parallel_world_size() == gpc.tensor.size * gpc.pipeline.size
+    assert unit.get_tensor_model_parallel_src_rank() == gpc.get_ranks_in_group(M.TENSOR)[0]
+    assert unit.get_data_parallel_group_ranks() == gpc.get_ranks_in_group(M.DATA)
+    # what ZeRO partitions over: data × context
+    assert unit.get_sequence_data_parallel_world_size() == gpc.data.size * gpc.context.size
+
+
+def test_it_is_not_taken_for_deepspeeds_own_sequence_parallel_helper() -> None:
+    # DeepSpeed treats an mpu with initialize_sequence_parallel as its SP helper and then gives
+    # ZeRO no data-parallel group (deepspeed/utils/groups.py, runtime/zero/stage_1_and_2.py)
+    assert not hasattr(DeepSpeedMPU, "initialize_sequence_parallel")
+
+
+def test_before_launch_it_says_so() -> None:
+    with pytest.raises(NotLaunchedError):
+        mpu()
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_after_destroy_it_refuses_to_answer() -> None:
+    unit = mpu()
+    assert unit.get_tensor_model_parallel_world_size() == 2
+    gpc.destroy()
+    with pytest.raises(NotLaunchedError):
+        unit.get_data_parallel_group()

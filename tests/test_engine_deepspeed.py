@@ -1,0 +1,81 @@
+"""DeepSpeed with ``mpu=parallelctx.deepspeed.mpu()`` (make test-engines).
+
+One real torchrun of 8 CPU ranks (tests/engine_deepspeed_train.py) launches gpc with tensor=2
+and trains a tensor-parallel MLP through ``deepspeed.initialize`` under ZeRO stage 1, 2 and 3:
+after 3 SGD steps every rank's shard equals the serial run (fp32, within 1e-6; each rank checks
+its own and raises otherwise), DeepSpeed's data-parallel world is gpc's data group, and DeepSpeed
+names its checkpoint files after gpc's model-parallel rank. Then ZeRO-2 again with tensor=2 ×
+pipeline=2: four model-parallel ranks, four ``mp_rank_XX`` files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torchrun_helpers import run_torchrun
+
+pytestmark = [pytest.mark.engines, pytest.mark.timeout(720)]  # a loaded machine: the run, not a hang
+pytest.importorskip(
+    "deepspeed", reason="the deepspeed extra is not installed (make test-engines installs it)"
+)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """Every rank's records, rank order: one per ZeRO run."""
+    out = tmp_path_factory.mktemp("deepspeed")
+    proc = run_torchrun(8, ["tests/engine_deepspeed_train.py", str(out)], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(8)]
+
+
+def test_zero_1_2_3_with_tensor_2_equal_a_serial_run(records: list[list[dict[str, Any]]]) -> None:
+    for rank, runs in enumerate(records):
+        assert [r["stage"] for r in runs] == [1, 2, 3, 2, 2]
+        for run in runs[:3]:
+            assert run["layout"] == [2, 1, 4]
+            assert run["steps"] == 3
+            assert run["worst"] <= 1e-6, (rank, run)
+            assert run["dp_world_size"] == 4  # DeepSpeed reduced over gpc's data group, not the world
+            assert run["tensor_rank"] == rank % 2 and run["data_rank"] == rank // 2
+
+
+def test_checkpoint_names_follow_gpcs_model_parallel_rank(records: list[list[dict[str, Any]]]) -> None:
+    for rank, runs in enumerate(records):
+        for run in runs[:3]:
+            assert run["model_rank"] == rank % 2  # MODEL = TENSOR when pipeline=1
+        zero2 = runs[1]
+        assert [f for f in zero2["files"] if not f.startswith("zero_")] == [
+            "mp_rank_00_model_states.pt",
+            "mp_rank_01_model_states.pt",
+        ]
+        assert len([f for f in zero2["files"] if f.startswith("zero_pp_rank_")]) == 8  # 4 dp × 2 mp
+        zero3 = runs[2]
+        assert {f.split("_mp_rank_")[1][:2] for f in zero3["files"]} == {"00", "01"}
+    # rank 0 and 1 (data rank 0) loaded the file named after their model rank: it holds their shard
+    assert records[0][1]["checked_file"] and records[1][1]["checked_file"]
+
+
+def test_model_parallel_rank_spans_tensor_and_pipeline(records: list[list[dict[str, Any]]]) -> None:
+    # tensor=2 × pipeline=2 on 8 ranks, default order: MODEL groups [0,1,4,5] [2,3,6,7]
+    expected = {0: 0, 1: 1, 4: 2, 5: 3, 2: 0, 3: 1, 6: 2, 7: 3}
+    for rank, runs in enumerate(records):
+        run = runs[4]
+        assert run["layout"] == [2, 2, 2]
+        assert run["model_rank"] == expected[rank]
+        assert run["worst"] <= 1e-6
+        assert [f for f in run["files"] if not f.startswith("zero_")] == [
+            f"mp_rank_{i:02d}_model_states.pt" for i in range(4)
+        ]
+
+
+def test_clipping_sums_the_norm_over_gpcs_model_parallel_group(records: list[list[dict[str, Any]]]) -> None:
+    # ZeRO-2 with gradient_clipping=0.05 (the serial norm is > 0.1 at every step): the clipped steps
+    # equal the serial run's only if the norm covers both tensor shards once and b2 once
+    for runs in records:
+        run = runs[3]
+        assert run["clip"] == 0.05 and run["layout"] == [2, 1, 4]
+        assert run["worst"] <= 1e-6
