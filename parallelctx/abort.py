@@ -24,7 +24,8 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Collection
+import struct
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,8 @@ __all__ = [
     "post_listeners",
     "read_listeners",
     "shut_down",
+    "socket_inodes",
+    "wake",
 ]
 
 # A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port).
@@ -54,6 +57,11 @@ def _socket_fds() -> dict[int, int]:
                 if target.startswith("socket:["):
                     out[int(target[8:-1])] = int(name)
     return out
+
+
+def socket_inodes() -> frozenset[int]:
+    """Return the inodes of every socket this process holds (cheap: ``/proc/self/fd`` only)."""
+    return frozenset(_socket_fds())
 
 
 def _endpoint(text: str) -> Endpoint:
@@ -121,6 +129,51 @@ def shut_down(listeners: Collection[Endpoint]) -> int:
         finally:
             if copy >= 0:
                 os.close(copy)
+    return done
+
+
+def _host(address: str) -> str:
+    """The IP address to reach a listener of this process at, from its /proc address in hex."""
+    if not address.strip("0"):
+        return "127.0.0.1"  # bound to every address (0.0.0.0)
+    if len(address) == 8:
+        return socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1])
+    raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, 32, 8))
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return socket.inet_ntop(socket.AF_INET, raw[12:])
+    return "::1" if raw == b"\0" * 15 + b"\1" else socket.inet_ntop(socket.AF_INET6, raw)
+
+
+def wake(listeners: Mapping[Endpoint, tuple[int, int]], timeout: float = 0.5) -> int:
+    """End the waits of gloo pairs that wait for a peer that never connected.
+
+    With lazy connection (``TORCH_GLOO_LAZY_INIT``), a pair connects on its first use, and of
+    the two ranks of a pair the one with the lower address waits, with no socket yet, for the
+    other to connect to its group's listener and name itself by its rank in the group (a
+    native 64-bit number). A pending collective waits there until the group's timeout when
+    that peer never comes, and no connection exists to shut down. For every listener of
+    ``listeners`` (endpoint -> this rank's index in the group, group size), this connects
+    once in each peer's name, sends the peer's rank and closes: a waiting pair takes the
+    connection, reads its end at once and raises (``Connection closed by peer``); a
+    connection no pair waits for is held by gloo until the group is destroyed, so a later
+    wait on the aborted group ends the same way. Only a group being aborted may be woken.
+
+    Returns:
+        The number of connections made. Never raises (a listener that refuses is skipped).
+    """
+    done = 0
+    for (address, port), (own, size) in listeners.items():
+        host = _host(address)
+        for peer in range(size):
+            if peer == own:
+                continue  # a pair never waits for its own rank
+            try:
+                with socket.create_connection((host, port), timeout=timeout) as sock:
+                    sock.sendall(struct.pack("=Q", peer))
+                    sock.shutdown(socket.SHUT_WR)
+                done += 1
+            except OSError:
+                break  # this listener is gone or refuses: the next one
     return done
 
 

@@ -134,6 +134,8 @@ class ParallelContext:
         # Groups parallelctx made after launch (the Megatron bridge's): abort() covers them too.
         self._later_groups: list[Any] = []
         self._listeners: list[_abort.Endpoint] = []
+        # Socket inode -> (rank in group, group size) of each gloo group's listener, for abort().
+        self._sockets: dict[int, tuple[int, int]] = {}
         for name in VIEW_NAMES.values():
             setattr(self, name, Unlaunched(name))
 
@@ -251,6 +253,10 @@ class ParallelContext:
         )
         self._owns_default_group = made.owned
         self._launch_kv, self._listen_before = made.store, made.listening
+        if made.owned and world_size > 1:  # the default group's listener, for abort()
+            self._sockets.update(
+                (inode, (rank, world_size)) for inode in _abort.listening() if inode not in made.listening
+            )
         self._hostnames = made.hostnames or self._hostnames
         self._global_rank = rank
         self._world_size = world_size
@@ -277,7 +283,12 @@ class ParallelContext:
             self._backend, self._owns_default_group, self._timeout or self.config.dist.timeout, ()
         )
         groups, self._group_calls = startup.make_groups(
-            self._meetings, layout, self._global_rank, default, self.config.dist.gloo_lazy_init
+            self._meetings,
+            layout,
+            self._global_rank,
+            default,
+            self.config.dist.gloo_lazy_init,
+            sockets=self._sockets,
         )
         self._layout = layout
         for mode, g in groups.items():
@@ -391,6 +402,10 @@ class ParallelContext:
         """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
         bridge's groups): its gloo listener is posted for the other ranks at once."""
         self._later_groups.append(group)
+        if isinstance(group, dist.ProcessGroup) and group.size() > 1 and self._listen_before is not None:
+            for inode in _abort.listening():
+                if inode not in self._listen_before and inode not in self._sockets:
+                    self._sockets[inode] = (group.rank(), group.size())
         self._post_listeners()
 
     def abort(self, timeout: float = 2.0) -> int:
@@ -417,8 +432,14 @@ class ParallelContext:
         if not any(g is not None for g in groups):
             return 0
         _abort.abort_groups(groups, self._owns_default_group)
-        if self._listen_before is not None:  # this rank's listeners now, groups made later included
-            self._listeners = _abort.new_listeners(self._listen_before)
+        # This rank's own listeners first (no store needed): wake the pairs that wait for a peer
+        # that never connected, and shut down the connections made; then the peers' listeners.
+        mine = _abort.listening()
+        if self._listen_before is not None:  # groups made later included
+            self._listeners = sorted(e for i, e in mine.items() if i not in self._listen_before)
+        woken = {mine[i]: where for i, where in self._sockets.items() if i in mine}
+        _abort.wake(woken)
+        shut = _abort.shut_down(self._listeners)
         peers: list[_abort.Endpoint] | None = []
         if self._launch_kv is not None:
             peers = _abort.read_listeners(self._launch_kv, self._global_rank, self._world_size, timeout)
@@ -429,7 +450,7 @@ class ParallelContext:
                 "connections to this rank's listeners are shut down",
                 timeout,
             )
-        return _abort.shut_down([*self._listeners, *(peers or [])])
+        return shut + _abort.shut_down([*self._listeners, *(peers or [])])
 
     def destroy(self) -> None:
         """Run the destroy hooks (:meth:`add_destroy_hook`), tear down every group parallelctx

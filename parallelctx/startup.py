@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .abort import listening
 from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, check_init_method_env
-from .groups import ModeGroup, create_groups
+from .groups import ModeGroup, Sockets, create_groups
 from .layout import Layout, ParallelMode
 from .rendezvous import Arrival, RendezvousError, agree_launch, connect_store, exchange
 
@@ -395,6 +395,7 @@ def make_groups(
     rank: int,
     default: DefaultGroup,
     gloo_lazy_init: bool,
+    sockets: Sockets | None = None,
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     """Create this rank's groups of ``layout`` in the fixed, rank-independent order of
     :func:`parallelctx.groups.create_groups`, with a gloo twin beside each group of an
@@ -409,7 +410,13 @@ def make_groups(
     cpu_backend = None if default.backend in CPU_BACKENDS else "gloo"
     used = None if default.owned else meetings.adopted_names()
     return create_groups(
-        layout, rank, default.timeout, cpu_backend, used_names=used, gloo_lazy_init=gloo_lazy_init
+        layout,
+        rank,
+        default.timeout,
+        cpu_backend,
+        used_names=used,
+        gloo_lazy_init=gloo_lazy_init,
+        sockets=sockets,
     )
 
 
