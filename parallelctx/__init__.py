@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         launch_from_slurm,
         launch_from_torch,
     )
+    from .hang import HangReport
     from .seed import REPLICA
     from .spawn import SpawnError, spawn
 
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "checkpoint": "checkpoint",
     "rng_context_fn": "checkpoint",
+    "HangReport": "hang",
     "ModeView": "context",
     "NotLaunchedError": "context",
     "ParallelContext": "context",
@@ -96,6 +98,7 @@ __all__ = [
     "REPLICA",
     "Config",
     "ConfigError",
+    "HangReport",
     "LaunchEnv",
     "LaunchEnvError",
     "Layout",

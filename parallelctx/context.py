@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import abort as _abort
+from . import hang as _hang
 from . import startup
 from .config import DEFAULT_TIMEOUT, Config, load_config
 from .groups import ModeGroup
@@ -72,6 +73,8 @@ class ParallelContext:
     def __init__(self) -> None:
         # Stores, launch counter and adopted group names: kept across destroy() for relaunches.
         self._meetings = startup.Meetings()
+        # gpc.on_hang handlers: kept across destroy() (an in-process restart keeps its watchdog).
+        self._hang_handlers: list[Callable[[_hang.HangReport], Any]] = []
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -136,6 +139,7 @@ class ParallelContext:
         self._listeners: list[_abort.Endpoint] = []
         # Socket inode -> (rank in group, group size) of each gloo group's listener, for abort().
         self._sockets: dict[int, tuple[int, int]] = {}
+        self._hang: _hang.HangWatch | None = None  # dist.hang_report, while launched
         for name in VIEW_NAMES.values():
             setattr(self, name, Unlaunched(name))
 
@@ -376,6 +380,55 @@ class ParallelContext:
         self._streams = RNGStreams(seeds, cuda=self._device.type == "cuda")
         self._seed = base
 
+    def on_hang(self, handler: Callable[[_hang.HangReport], Any]) -> Callable[[_hang.HangReport], Any]:
+        """Call ``handler(report)`` when a collective on one of gpc's groups has waited longer
+        than ``dist.hang_report.after`` (config ``dist.hang_report=dict(after=SECONDS)``; off
+        by default, when nothing is watched). ``report`` is a :class:`parallelctx.HangReport`:
+        ``.mode``, ``.op``, ``.call``, ``.missing`` (sorted global ranks that never entered the
+        call), ``.mismatched`` (ranks that entered another call). Every waiting rank calls its
+        handlers once per hung call, in the watching thread; a handler may call :meth:`abort`.
+        Handlers are kept across :meth:`destroy` and relaunches; one handler is kept once.
+
+        Returns:
+            ``handler`` (so that it can serve as a decorator).
+
+        Raises:
+            TypeError: ``handler`` is not callable.
+        """
+        if not callable(handler):
+            raise TypeError(f"on_hang takes a function of one argument (the report), not {handler!r}")
+        if handler not in self._hang_handlers:
+            self._hang_handlers.append(handler)
+        return handler
+
+    def _start_hang_watch(self) -> None:
+        """Start the hang report of this launch when ``dist.hang_report`` asks for it (and the
+        world has more than one rank and a store); returns None."""
+        settings = self._config.dist.hang_report if self._config is not None else None
+        if settings is None or self._world_size < 2 or self._launch_kv is None or self._hang is not None:
+            return
+        watched: dict[int, tuple[Any, list[ParallelMode], bool, tuple[int, ...]]] = {}
+        for mode, view in self._views.items():
+            for group, cpu in ((view.group, False), (view.cpu_group, True)):
+                if id(group) in watched:
+                    if mode not in watched[id(group)][1]:
+                        watched[id(group)][1].append(mode)
+                else:
+                    watched[id(group)] = (group, [mode], cpu and view.cpu_group is not view.group, tuple(view.ranks))
+        try:
+            store = self._launch_kv.clone()
+        except Exception:
+            store = self._launch_kv
+        self._hang = _hang.HangWatch(
+            settings.after,
+            self._global_rank,
+            store,
+            [(g, tuple(sorted(m, key=list(ParallelMode).index)), cpu, r) for g, m, cpu, r in watched.values()],
+            self._hang_handlers,
+            log=settings.log,
+        )
+        self._hang.start()
+
     def add_destroy_hook(self, hook: Callable[[], None]) -> None:
         """Have :meth:`destroy` call ``hook()`` first, while the groups still exist (hooks run
         last-added first; one hook is kept once however often it is added). The hooks are
@@ -402,7 +455,7 @@ class ParallelContext:
         """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
         bridge's groups): its gloo listener is posted for the other ranks at once."""
         self._later_groups.append(group)
-        if isinstance(group, dist.ProcessGroup) and group.size() > 1 and self._listen_before is not None:
+        if isinstance(group, torch.distributed.ProcessGroup) and group.size() > 1 and self._listen_before is not None:
             for inode in _abort.listening():
                 if inode not in self._listen_before and inode not in self._sockets:
                     self._sockets[inode] = (group.rank(), group.size())
@@ -468,6 +521,8 @@ class ParallelContext:
                 logger.exception("parallelctx: destroy hook %r failed", hook)
                 failed = failed or exc
         self._destroy_hooks = []
+        if self._hang is not None:
+            self._hang.stop()
         try:
             startup.tear_down(self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()])
         finally:

@@ -205,6 +205,7 @@ def launch(
         ctx.set_device()
         ctx.set_seed(use_seed)
         ctx._post_listeners()
+        ctx._start_hang_watch()
     except BaseException:
         ctx.destroy()
         raise
