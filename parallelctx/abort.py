@@ -29,8 +29,12 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = [
+    "AbortableStore",
     "Endpoint",
+    "LaunchAborted",
     "abort_groups",
     "listening",
     "new_listeners",
@@ -216,8 +220,6 @@ def abort_groups(groups: Collection[Any], include_default: bool) -> None:
     group when ``include_default`` and it exists: NCCL ends its communicators; gloo, which does
     not implement abort, does nothing (:func:`shut_down` ends its collectives). A group that
     fails to abort is logged; returns None."""
-    import torch.distributed as dist
-
     distinct: dict[int, Any] = {id(g): g for g in groups if g is not None}
     if include_default and dist.is_initialized() and dist.group.WORLD is not None:
         distinct[id(dist.group.WORLD)] = dist.group.WORLD
@@ -226,3 +228,70 @@ def abort_groups(groups: Collection[Any], include_default: bool) -> None:
             g.abort()
         except Exception:
             logging.getLogger("parallelctx").exception("parallelctx: abort of process group %r failed", g)
+
+
+class LaunchAborted(RuntimeError):
+    """``gpc.abort()`` was called while this rank's launch waited at the rendezvous."""
+
+
+class AbortableStore(dist.Store):  # type: ignore[misc]
+    """A store that refuses every call once ``aborted`` is set, raising :class:`LaunchAborted`:
+    the launch's waits call the store every 0.25 s at most, so ``gpc.abort()`` ends them.
+    Everything else is passed to ``inner`` unchanged (a wait already inside ``inner`` runs to its
+    own end); :meth:`clone` gives a plain clone of ``inner``. torch holds a store made in Python
+    without keeping the Python object alive: keep a reference for as long as it is used."""
+
+    def __init__(self, inner: Any, aborted: threading.Event) -> None:
+        super().__init__()
+        self._inner = inner
+        self._aborted = aborted
+
+    def _check(self) -> None:
+        if self._aborted.is_set():
+            raise LaunchAborted("parallelctx: gpc.abort() was called during the launch")
+
+    def set(self, key: str, value: Any) -> None:
+        self._check()
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._check()
+        return self._inner.get(key)  # type: ignore[no-any-return]
+
+    def add(self, key: str, value: int) -> int:
+        self._check()
+        return self._inner.add(key, value)  # type: ignore[no-any-return]
+
+    def check(self, keys: list[str]) -> bool:
+        self._check()
+        return self._inner.check(keys)  # type: ignore[no-any-return]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._check()
+        return self._inner.multi_get(keys)  # type: ignore[no-any-return]
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._check()
+        self._inner.multi_set(keys, values)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._check()
+        return self._inner.compare_set(key, expected, desired)  # type: ignore[no-any-return]
+
+    def delete_key(self, key: str) -> bool:
+        self._check()
+        return self._inner.delete_key(key)  # type: ignore[no-any-return]
+
+    def wait(self, keys: list[str], *timeout: Any) -> None:
+        self._check()
+        self._inner.wait(keys, *timeout)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()  # type: ignore[no-any-return]
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._inner.set_timeout(timeout)
+
+    def clone(self) -> Any:
+        # A plain clone of the inner store: abort() itself reads the peers' listeners through it.
+        return self._inner.clone()

@@ -473,7 +473,10 @@ class ParallelContext:
 
         ``timeout`` (seconds) bounds the read of the other ranks' gloo listeners from the
         launch's store; when it does not answer in time, only this rank's listeners are used.
-        Before launch or after :meth:`destroy` it finds nothing to do; a second call is harmless.
+        During a launch (from another thread), the launch stops at its next call to the
+        rendezvous store (within 0.25 s) and raises :class:`parallelctx.abort.LaunchAborted`.
+        Before launch or after :meth:`destroy` it finds nothing else to do; a second call is
+        harmless.
 
         Returns:
             The number of gloo connections shut down.
@@ -483,7 +486,15 @@ class ParallelContext:
         """
         groups = [*self._groups.values(), *self._cpu_groups.values(), *self._later_groups]
         if not any(g is not None for g in groups):
+            self._meetings.aborted.set()  # a launch under way stops at its next store call
             return 0
+        try:
+            return self._abort_groups(groups, timeout)
+        finally:
+            self._meetings.aborted.set()
+
+    def _abort_groups(self, groups: list[Any], timeout: float) -> int:
+        """The work of :meth:`abort` once groups exist; returns the connections shut down."""
         _abort.abort_groups(groups, self._owns_default_group)
         # This rank's own listeners first (no store needed): wake the pairs that wait for a peer
         # that never connected, and shut down the connections made; then the peers' listeners.

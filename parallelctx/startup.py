@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .abort import listening
+from .abort import AbortableStore, LaunchAborted, listening
 from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, check_init_method_env
 from .groups import ModeGroup, Sockets, create_groups
@@ -61,6 +62,10 @@ class Meetings:
     def __init__(self) -> None:
         self._stores: dict[tuple[str, int, int], Any] = {}
         self._adopted: tuple[Any, set[tuple[Any, int]]] = (None, set())
+        # Set by gpc.abort(): the launch under way stops at its next store call; cleared when a
+        # launch starts to meet.
+        self.aborted = threading.Event()
+        self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
 
     def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
@@ -70,14 +75,16 @@ class Meetings:
             RendezvousError: the store did not answer before ``deadline``, its port is taken, or
                 a rank did not take part in the agreement in time.
         """
+        self.aborted.clear()
         key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
-            base = connect_store(url, rank, world_size, timeout, deadline)
+            base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
             self._stores[key] = base
         base.set_timeout(timeout)
-        prefix = agree_launch(base, rank, world_size, timeout, _shown_url(url), deadline)
-        return dist.PrefixStore(prefix, base)
+        kv = self._kv = AbortableStore(base, self.aborted)
+        prefix = agree_launch(kv, rank, world_size, timeout, _shown_url(url), deadline)
+        return dist.PrefixStore(prefix, kv)
 
     def adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the adopted default group's store under the prefix the ranks agreed is new.
@@ -87,9 +94,10 @@ class Meetings:
         """
         from torch.distributed.distributed_c10d import _get_default_store
 
-        base = _get_default_store()
-        prefix = agree_launch(base, rank, world_size, timeout, "the default group's store", deadline)
-        return dist.PrefixStore(prefix, base)
+        self.aborted.clear()
+        kv = self._kv = AbortableStore(_get_default_store(), self.aborted)
+        prefix = agree_launch(kv, rank, world_size, timeout, "the default group's store", deadline)
+        return dist.PrefixStore(prefix, kv)
 
     def adopted_names(self) -> set[tuple[Any, int]]:
         """Return the set of group names already used on the current adopted default group
@@ -206,8 +214,13 @@ def launch(
         ctx.set_seed(use_seed)
         ctx._post_listeners()
         ctx._start_hang_watch()
-    except BaseException:
+    except BaseException as exc:
         ctx.destroy()
+        if ctx._meetings.aborted.is_set() and not isinstance(exc, KeyboardInterrupt):
+            raise LaunchAborted(
+                f"rank {args.rank}: the launch was aborted by gpc.abort() while it waited "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from exc
         raise
     if args.local_world_size is not None and args.local_world_size != on_node:
         logger.warning(
