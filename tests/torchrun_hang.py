@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -48,8 +49,10 @@ def main() -> int:
         row["mismatched"] = {str(k): v for k, v in report.mismatched.items()}
         row["after_entry_s"] = time.perf_counter() - entered.get("t", time.perf_counter())
         record["reports"].append(row)
-        if scenario != "healthy":
+        if scenario == "skip":
             gpc.abort()
+        elif scenario == "mismatch":  # let the other rank report too, then abort
+            threading.Timer(1.5, gpc.abort).start()
 
     gpc.on_hang(on_hang)
     parallelctx.launch_from_torch(config)
