@@ -66,7 +66,7 @@ def worker(args: argparse.Namespace) -> int:
         # the ranks it names as missing) and end the wait.
         log("hang-report", mode=report.mode.value, call=report.call, missing=list(report.missing))
         log("abort")
-        log("aborted", connections=gpc.abort())
+        log("aborted", connections=report.abort())  # this launch's groups, never the relaunch's
 
     gpc.on_hang(on_hang)  # kept across destroy() and relaunches
     config = {"dist": {"timeout": 120, "backend": "gloo", "hang_report": {"after": args.hang}}}

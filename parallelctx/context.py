@@ -419,15 +419,21 @@ class ParallelContext:
             store = self._launch_kv.clone()
         except Exception:
             store = self._launch_kv
-        self._hang = _hang.HangWatch(
+        watch: _hang.HangWatch | None = None
+
+        def abort_this_launch() -> int:
+            return self.abort() if watch is not None and self._hang is watch else 0
+
+        watch = self._hang = _hang.HangWatch(
             settings.after,
             self._global_rank,
             store,
             [(g, tuple(sorted(m, key=list(ParallelMode).index)), cpu, r) for g, m, cpu, r in watched.values()],
             self._hang_handlers,
             log=settings.log,
+            aborter=abort_this_launch,
         )
-        self._hang.start()
+        watch.start()
 
     def add_destroy_hook(self, hook: Callable[[], None]) -> None:
         """Have :meth:`destroy` call ``hook()`` first, while the groups still exist (hooks run
@@ -532,8 +538,9 @@ class ParallelContext:
                 logger.exception("parallelctx: destroy hook %r failed", hook)
                 failed = failed or exc
         self._destroy_hooks = []
-        if self._hang is not None:
-            self._hang.stop()
+        watch, self._hang = self._hang, None
+        if watch is not None:
+            watch.stop()
         try:
             startup.tear_down(self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()])
         finally:

@@ -85,6 +85,8 @@ class HangReport:
         waited: seconds this rank has waited in the call.
         progress_known: False when the other ranks' progress could not be read from the store
             (``missing`` and ``mismatched`` are then empty).
+
+    :meth:`abort` aborts the launch that made the report, and nothing once it was destroyed.
     """
 
     mode: ParallelMode
@@ -99,6 +101,16 @@ class HangReport:
     mismatched: dict[int, str] = field(default_factory=dict)
     waited: float = 0.0
     progress_known: bool = True
+    aborter: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+
+    def abort(self) -> int:
+        """Call ``gpc.abort()`` if the launch that made this report is still the current one
+        (a handler that aborts later, from a timer, cannot hit the relaunch).
+
+        Returns:
+            What ``gpc.abort()`` returned, or 0 when that launch is gone. Never raises.
+        """
+        return self.aborter() if self.aborter is not None else 0
 
     def __str__(self) -> str:
         group = f"the {self.mode.value} group{' (CPU twin)' if self.cpu else ''} (ranks {_ranks(self.ranks)})"
@@ -204,6 +216,7 @@ class HangWatch:
         groups: Sequence[tuple[Any, tuple[ParallelMode, ...], bool, tuple[int, ...]]],
         handlers: Sequence[Callable[[HangReport], Any]],
         log: bool = True,
+        aborter: Callable[[], int] | None = None,
     ) -> None:
         self.after = after.total_seconds()
         self.tick = min(max(self.after / 4, 0.05), 1.0)
@@ -211,6 +224,7 @@ class HangWatch:
         self.log = log
         self._store = store
         self._handlers = handlers
+        self._aborter = aborter
         self._slots: dict[Any, _Slot] = {}
         for group, modes, cpu, ranks in groups:
             if group is not None and group not in self._slots and len(ranks) > 1:
@@ -313,6 +327,7 @@ class HangWatch:
             mismatched=mismatched,
             waited=waited,
             progress_known=peers is not None,
+            aborter=self._aborter,
         )
         self.reports.append(report)
         if self.log:

@@ -3,12 +3,11 @@
 Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
 
 * ``skip``: ranks 1, 5 and 7 all-reduce on the data group; rank 3 never enters it (it sleeps).
-  ``dist.hang_report.after`` is 2 s; a handler records each report and calls ``gpc.abort()``,
-  which ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
+  ``dist.hang_report.after`` is 2 s; a handler records each report and calls ``report.abort()``
+  2 s later, which ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
   process and proves the relaunch with a data-group all-reduce against the serial sum.
 * ``mismatch``: on the tensor group {0, 1} rank 0 calls ``all_reduce`` and rank 1 ``broadcast``;
-  each is reported with the other as mismatched; rank 0 aborts 1.5 s after its report (which
-  ends rank 1's call too) and every rank relaunches as above.
+  each is reported with the other as mismatched, then aborted and relaunched as above.
 * ``healthy``: 200 steps of all-reduces on the data, tensor and global groups and a CPU-group
   all_gather_object, with ``after`` = 1 s: no report may come.
 
@@ -44,16 +43,16 @@ def main() -> int:
     entered: dict[str, float] = {}
 
     def on_hang(report: HangReport) -> None:
-        row = dataclasses.asdict(report)
+        row = {f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name != "aborter"}
         row["mode"] = report.mode.value
         row["modes"] = [m.value for m in report.modes]
         row["mismatched"] = {str(k): v for k, v in report.mismatched.items()}
         row["after_entry_s"] = time.perf_counter() - entered.get("t", time.perf_counter())
         record["reports"].append(row)
-        if scenario == "skip":
-            gpc.abort()
-        elif scenario == "mismatch" and rank == 0:  # let rank 1 report too; this ends both calls
-            threading.Timer(1.5, gpc.abort).start()
+        if scenario != "healthy":
+            # Abort 2 s later: every waiting rank reports first (one rank's abort may end the
+            # others' calls too; report.abort() then leaves their relaunch alone).
+            threading.Timer(2.0, report.abort).start()
 
     gpc.on_hang(on_hang)
     parallelctx.launch_from_torch(config)
