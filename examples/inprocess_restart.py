@@ -213,7 +213,9 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fault-step", type=int, default=10)
-    parser.add_argument("--hang", type=float, default=3.0, help="dist.hang_report.after: seconds before a report")
+    parser.add_argument(
+        "--hang", type=float, default=3.0, help="dist.hang_report.after: seconds before a report"
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json")
     parser.add_argument("--worker", action="store_true")

@@ -27,6 +27,7 @@ from .mesh import MeshError
 if TYPE_CHECKING:
     from .checkpoint import checkpoint, rng_context_fn
     from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
+    from .hang import HangReport
     from .launch import (
         init_dist,
         launch,
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
         launch_from_slurm,
         launch_from_torch,
     )
-    from .hang import HangReport
     from .seed import REPLICA
     from .spawn import SpawnError, spawn
 

@@ -23,8 +23,8 @@ import json
 import logging
 import os
 import socket
-import threading
 import struct
+import threading
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -234,7 +234,7 @@ class LaunchAborted(RuntimeError):
     """``gpc.abort()`` was called while this rank's launch waited at the rendezvous."""
 
 
-class AbortableStore(dist.Store):  # type: ignore[misc]
+class AbortableStore(dist.Store):
     """A store that refuses every call once ``aborted`` is set, raising :class:`LaunchAborted`:
     the launch's waits call the store every 0.25 s at most, so ``gpc.abort()`` ends them.
     Everything else is passed to ``inner`` unchanged (a wait already inside ``inner`` runs to its
@@ -256,19 +256,19 @@ class AbortableStore(dist.Store):  # type: ignore[misc]
 
     def get(self, key: str) -> bytes:
         self._check()
-        return self._inner.get(key)  # type: ignore[no-any-return]
+        return self._inner.get(key)
 
     def add(self, key: str, value: int) -> int:
         self._check()
-        return self._inner.add(key, value)  # type: ignore[no-any-return]
+        return self._inner.add(key, value)
 
     def check(self, keys: list[str]) -> bool:
         self._check()
-        return self._inner.check(keys)  # type: ignore[no-any-return]
+        return self._inner.check(keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self._check()
-        return self._inner.multi_get(keys)  # type: ignore[no-any-return]
+        return self._inner.multi_get(keys)
 
     def multi_set(self, keys: list[str], values: list[Any]) -> None:
         self._check()
@@ -276,18 +276,18 @@ class AbortableStore(dist.Store):  # type: ignore[misc]
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
         self._check()
-        return self._inner.compare_set(key, expected, desired)  # type: ignore[no-any-return]
+        return self._inner.compare_set(key, expected, desired)
 
     def delete_key(self, key: str) -> bool:
         self._check()
-        return self._inner.delete_key(key)  # type: ignore[no-any-return]
+        return self._inner.delete_key(key)
 
     def wait(self, keys: list[str], *timeout: Any) -> None:
         self._check()
         self._inner.wait(keys, *timeout)
 
     def num_keys(self) -> int:
-        return self._inner.num_keys()  # type: ignore[no-any-return]
+        return self._inner.num_keys()
 
     def set_timeout(self, timeout: Any) -> None:
         self._inner.set_timeout(timeout)

@@ -414,7 +414,12 @@ class ParallelContext:
                     if mode not in watched[id(group)][1]:
                         watched[id(group)][1].append(mode)
                 else:
-                    watched[id(group)] = (group, [mode], cpu and view.cpu_group is not view.group, tuple(view.ranks))
+                    watched[id(group)] = (
+                        group,
+                        [mode],
+                        cpu and view.cpu_group is not view.group,
+                        tuple(view.ranks),
+                    )
         try:
             store = self._launch_kv.clone()
         except Exception:
@@ -428,7 +433,10 @@ class ParallelContext:
             settings.after,
             self._global_rank,
             store,
-            [(g, tuple(sorted(m, key=list(ParallelMode).index)), cpu, r) for g, m, cpu, r in watched.values()],
+            [
+                (g, tuple(sorted(m, key=list(ParallelMode).index)), cpu, r)
+                for g, m, cpu, r in watched.values()
+            ],
             self._hang_handlers,
             log=settings.log,
             aborter=abort_this_launch,
@@ -461,7 +469,11 @@ class ParallelContext:
         """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
         bridge's groups): its gloo listener is posted for the other ranks at once."""
         self._later_groups.append(group)
-        if isinstance(group, torch.distributed.ProcessGroup) and group.size() > 1 and self._listen_before is not None:
+        if (
+            isinstance(group, torch.distributed.ProcessGroup)
+            and group.size() > 1
+            and self._listen_before is not None
+        ):
             for inode in _abort.listening():
                 if inode not in self._listen_before and inode not in self._sockets:
                     self._sockets[inode] = (group.rank(), group.size())

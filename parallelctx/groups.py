@@ -172,7 +172,7 @@ def _local_group(
 ) -> dist.ProcessGroup:
     """Create one group that only its members call for (local synchronization)."""
     _claim_name(members, used)
-    return _new_group(  # type: ignore[no-any-return]
+    return _new_group(
         sockets,
         list(members),
         timeout=timeout,
@@ -224,8 +224,7 @@ def _one_rank_group(
             c = g
             if cpu_backend is not None:
                 c = _new_group(
-                    sockets,
-                    row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
+                    sockets, row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
                 )
             if row[0] == rank:
                 group, cpu_group = g, c

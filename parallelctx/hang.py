@@ -119,10 +119,14 @@ class HangReport:
             return f"{head}; the other ranks' progress could not be read from the launch's store"
         parts = []
         if self.missing:
-            parts.append(f"rank{'s' if len(self.missing) > 1 else ''} {_ranks(self.missing)} never entered it")
+            parts.append(
+                f"rank{'s' if len(self.missing) > 1 else ''} {_ranks(self.missing)} never entered it"
+            )
         for r, other in sorted(self.mismatched.items()):
             parts.append(f"rank {r} entered a different call: {other} (mismatch)")
-        return f"{head}: " + ("; ".join(parts) if parts else "every rank entered it (it is slow, not missing)")
+        return f"{head}: " + (
+            "; ".join(parts) if parts else "every rank entered it (it is slow, not missing)"
+        )
 
 
 def _ranks(ranks: Sequence[int]) -> str:

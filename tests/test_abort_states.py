@@ -45,7 +45,9 @@ def check(rows: list[dict], states: list[str]) -> float:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("run", [1, 2])
-def test_abort_ends_a_collective_on_a_group_whose_peer_never_connected_4_cycles(tmp_path: Path, run: int) -> None:
+def test_abort_ends_a_collective_on_a_group_whose_peer_never_connected_4_cycles(
+    tmp_path: Path, run: int
+) -> None:
     states = ["lazy"] * 4
     worst = check(cycles(tmp_path, ",".join(states)), states)
     print(f"run {run}: 4 cycles x 2 waiting ranks, raised at most {worst:.2f} s after abort()")

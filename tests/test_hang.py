@@ -25,7 +25,9 @@ def test_hang_report_is_off_by_default_and_checked() -> None:
     assert cfg.dist.hang_report is not None and cfg.dist.hang_report.after == timedelta(seconds=30)
     with pytest.raises(ValueError, match="unknown key 'aftr'; did you mean 'after'"):
         load_config({"dist": {"hang_report": {"aftr": 30}}})
-    with pytest.raises(ValueError, match=r"dist.hang_report=30 is of type int; give a dict such as dict\(after=60\)"):
+    with pytest.raises(
+        ValueError, match=r"dist.hang_report=30 is of type int; give a dict such as dict\(after=60\)"
+    ):
         load_config({"dist": {"hang_report": 30}})
     with pytest.raises(ValueError, match="dist.hang_report.after=0 must be positive"):
         load_config({"dist": {"hang_report": {"after": 0}}})
@@ -51,7 +53,13 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
     try:
         group = dist.group.WORLD
         reports: list[HangReport] = []
-        watch = HangWatch(timedelta(seconds=0.2), 0, store, [(group, (ParallelMode.DATA,), False, (0, 1, 2))], [reports.append])
+        watch = HangWatch(
+            timedelta(seconds=0.2),
+            0,
+            store,
+            [(group, (ParallelMode.DATA,), False, (0, 1, 2))],
+            [reports.append],
+        )
         original = dist.ProcessGroup.allreduce
         watch.start()
         try:
@@ -91,7 +99,9 @@ def torchrun_rows(tmp_path: Path, scenario: str) -> list[dict]:
 
 @pytest.mark.faults
 @pytest.mark.timeout(400)
-def test_a_rank_that_skips_an_all_reduce_on_the_data_group_is_named_by_every_waiting_rank(tmp_path: Path) -> None:
+def test_a_rank_that_skips_an_all_reduce_on_the_data_group_is_named_by_every_waiting_rank(
+    tmp_path: Path,
+) -> None:
     rows = torchrun_rows(tmp_path, "skip")  # data groups {0,2,4,6}, {1,3,5,7}; rank 3 skips
     for row in rows:
         if row["rank"] in (1, 5, 7):
