@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -75,6 +76,9 @@ class ParallelContext:
         self._meetings = startup.Meetings()
         # gpc.on_hang handlers: kept across destroy() (an in-process restart keeps its watchdog).
         self._hang_handlers: list[Callable[[_hang.HangReport], Any]] = []
+        # abort() and destroy()'s teardown never overlap (an abort from a watchdog may still be
+        # shutting down connections when the main thread, its collective ended, destroys).
+        self._abort_lock = threading.RLock()
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -427,7 +431,8 @@ class ParallelContext:
         watch: _hang.HangWatch | None = None
 
         def abort_this_launch() -> int:
-            return self.abort() if watch is not None and self._hang is watch else 0
+            with self._abort_lock:
+                return self.abort() if watch is not None and self._hang is watch else 0
 
         watch = self._hang = _hang.HangWatch(
             settings.after,
@@ -502,14 +507,12 @@ class ParallelContext:
         Raises:
             Nothing: a group that fails to abort is logged and the others are still aborted.
         """
-        groups = [*self._groups.values(), *self._cpu_groups.values(), *self._later_groups]
-        if not any(g is not None for g in groups):
+        with self._abort_lock:
             self._meetings.aborted.set()  # a launch under way stops at its next store call
-            return 0
-        try:
+            groups = [*self._groups.values(), *self._cpu_groups.values(), *self._later_groups]
+            if not any(g is not None for g in groups):
+                return 0
             return self._abort_groups(groups, timeout)
-        finally:
-            self._meetings.aborted.set()
 
     def _abort_groups(self, groups: list[Any], timeout: float) -> int:
         """The work of :meth:`abort` once groups exist; returns the connections shut down."""
@@ -553,10 +556,13 @@ class ParallelContext:
         watch, self._hang = self._hang, None
         if watch is not None:
             watch.stop()
-        try:
-            startup.tear_down(self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()])
-        finally:
-            self._reset()
+        with self._abort_lock:
+            try:
+                startup.tear_down(
+                    self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()]
+                )
+            finally:
+                self._reset()
         if failed is not None:
             raise failed
 
