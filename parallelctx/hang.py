@@ -242,11 +242,14 @@ class HangWatch:
         """Wrap the collective methods and start the watching thread; returns None."""
         pg = dist.ProcessGroup
         for name in OPS:
-            original = getattr(pg, name, None)
-            if original is None:
+            if name not in vars(pg):
                 continue
-            self._saved[name] = original
-            setattr(pg, name, _wrap(name, original, self._slots))
+            # Keep the class's own attribute (pybind's instancemethod) to put back: the
+            # function getattr gives would not bind ``self`` once set on the class again.
+            self._saved[name] = vars(pg)[name]
+            wrapped = _wrap(name, getattr(pg, name), self._slots)
+            wrapped._watch = self  # type: ignore[attr-defined]
+            setattr(pg, name, wrapped)
         self._thread = threading.Thread(target=self._run, name="parallelctx-hang-report", daemon=True)
         self._thread.start()
 
@@ -255,9 +258,10 @@ class HangWatch:
         :meth:`start` (a method someone wrapped again since is left alone); returns None."""
         self._stop.set()
         pg = dist.ProcessGroup
-        for name, original in self._saved.items():
-            if getattr(getattr(pg, name, None), "__wrapped__", None) is original:
-                setattr(pg, name, original)
+        for name, saved in self._saved.items():
+            current = vars(pg).get(name)
+            if getattr(current, "__wrapped__", None) is not None and getattr(current, "_watch", None) is self:
+                setattr(pg, name, saved)
         self._saved.clear()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():

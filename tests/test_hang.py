@@ -60,7 +60,7 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
             [(group, (ParallelMode.DATA,), False, (0, 1, 2))],
             [reports.append],
         )
-        original = dist.ProcessGroup.allreduce
+        original = vars(dist.ProcessGroup)["allreduce"]
         watch.start()
         try:
             for _ in range(3):
@@ -80,7 +80,10 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
                 time.sleep(0.05)
         finally:
             watch.stop()
-        assert dist.ProcessGroup.allreduce is original  # the methods are restored
+        assert vars(dist.ProcessGroup)["allreduce"] is original  # the methods are restored ...
+        x = torch.ones(2)
+        dist.all_reduce(x)  # ... and still work
+        assert x.tolist() == [1.0, 1.0]
         (report,) = reports
         assert (report.mode, report.op, report.missing) == (ParallelMode.DATA, "all_reduce", (1,))
         assert report.mismatched == {2: "broadcast(float32[4])"} and report.count == 4
