@@ -7,7 +7,9 @@ processes, once with the report off and once with ``dist.hang_report=dict(after=
 times ``--steps`` all-reduces of ``--numel`` float32 values on the world group after a warm-up;
 the order of off and on alternates between rounds, so a loaded machine's drift falls on both.
 Prints the median time per all-reduce of each and their ratio (on / off); ``--json PATH`` writes
-them. Timings on a shared machine are noisy: compare the ratio, not the times.
+them. Before that, in this process (a gloo world of one), it times the counting's own cost per
+call (:func:`solo`), which the noise of 8 processes on a small machine would hide. Timings on a
+shared machine are noisy: compare the ratio and the per-call cost, not the times.
 """
 
 from __future__ import annotations
@@ -72,6 +74,54 @@ def worker(steps: int, rounds: int, numel: int, out: str | None) -> None:
             Path(out).write_text(json.dumps(result, indent=1))
 
 
+def solo(calls: int, rounds: int, numel: int) -> dict[str, float]:
+    """The counting's own cost per call, without the noise of 8 processes: one process, a gloo
+    world of one, ``dist.all_reduce`` timed with the group unwatched and watched (a
+    :class:`~parallelctx.hang.HangWatch` over it, as a launch makes), in alternating rounds.
+
+    Returns:
+        ``{"off_us": ..., "on_us": ..., "cost_us": on - off}`` (medians per call).
+    """
+    import tempfile
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from parallelctx import ParallelMode
+    from parallelctx.hang import HangWatch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(f"{tmp}/store", 1)
+        dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+        try:
+            group = dist.group.WORLD
+            x = torch.ones(numel)
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            for r in range(rounds):
+                for label in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                    watch = None
+                    if label == "on":  # the group counted as one of two ranks (no peer is asked)
+                        watch = HangWatch(
+                            timedelta(seconds=60),
+                            0,
+                            store,
+                            [(group, (ParallelMode.DATA,), False, (0, 1))],
+                            [],
+                        )
+                        watch.start()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        dist.all_reduce(x)
+                    times[label].append((time.perf_counter() - start) / calls)
+                    if watch is not None:
+                        watch.stop()
+        finally:
+            dist.destroy_process_group()
+    off, on = statistics.median(times["off"]) * 1e6, statistics.median(times["on"]) * 1e6
+    return {"off_us": off, "on_us": on, "cost_us": on - off}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the arguments; start torchrun (or, with ``--worker``, be one rank). Returns the
     exit code."""
@@ -86,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.steps, args.rounds, args.numel, args.json)
         return 0
+    one = solo(5000, 9, args.numel)
+    print(
+        f"one process, world of one: all_reduce {one['off_us']:.1f} us unwatched, {one['on_us']:.1f} us "
+        f"watched: the counting costs {one['cost_us']:.2f} us per call"
+    )
+    if args.json:
+        Path(args.json).with_suffix(".solo.json").write_text(json.dumps(one, indent=1))
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(args.nproc), "-m", "benchmarks.hang_report"]
     cmd += ["--worker", "--steps", str(args.steps), "--rounds", str(args.rounds), "--numel", str(args.numel)]

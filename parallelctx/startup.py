@@ -66,6 +66,7 @@ class Meetings:
         # launch starts to meet.
         self.aborted = threading.Event()
         self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
+        self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
 
     def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
@@ -84,7 +85,15 @@ class Meetings:
         base.set_timeout(timeout)
         kv = self._kv = AbortableStore(base, self.aborted)
         prefix = agree_launch(kv, rank, world_size, timeout, _shown_url(url), deadline)
-        return dist.PrefixStore(prefix, kv)
+        meeting = dist.PrefixStore(prefix, kv)
+        self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
+        return meeting
+
+    def plain(self, store: Any) -> Any:
+        """Return the store torch's groups get for ``store`` (from :meth:`store`): the same keys
+        without the refusal after ``gpc.abort()``, so that torch's own threads never call into
+        Python. Any other store is returned as it is."""
+        return self._plain.get(id(store), store)
 
     def adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the adopted default group's store under the prefix the ranks agreed is new.
@@ -399,7 +408,9 @@ def init_default_group(
             arrivals = exchange(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
             hostnames = tuple(a.host for a in arrivals)
     before = frozenset(listening())
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
+    )
     return DefaultGroup(backend, True, timeout, hostnames, None if world_size == 1 else store, before)
 
 
