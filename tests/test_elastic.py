@@ -224,8 +224,14 @@ def test_inprocess_restart_recipe(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     times, events = result["times"], result["events"]
-    # only the hung rank, named missing by the hang reports of the three ranks that waited for it
-    assert [(r["rank"], r["named_by"]) for r in result["replaced"]] == [(3, [0, 1, 2])]
+    # only the hung rank, replaced as soon as a hang report named it missing; every rank that
+    # waited for it reported it (mode data, the all-reduce), once
+    assert [r["rank"] for r in result["replaced"]] == [3], result["replaced"]
+    assert result["replaced"][0]["named_by"] and set(result["replaced"][0]["named_by"]) <= {0, 1, 2}
+    reports = sorted(
+        (r["rank"], r["mode"], r["call"], r["missing"]) for r in events if r["event"] == "hang-report"
+    )
+    assert reports == [(r, "global", "all_reduce(float64[1])", [3]) for r in (0, 1, 2)], reports
     assert set(times["final_weights"].values()) == {times["serial_weight"]}
     assert sorted(times["final_weights"]) == ["0", "1", "2", "3"]
     for rank in (0, 1, 2):  # the survivors relaunched in the same process
