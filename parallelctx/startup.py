@@ -63,7 +63,7 @@ class Meetings:
         self._stores: dict[tuple[str, int, int], Any] = {}
         self._adopted: tuple[Any, set[tuple[Any, int]]] = (None, set())
         # Set by gpc.abort(): the launch under way stops at its next store call; cleared when a
-        # launch starts to meet.
+        # launch starts (:func:`launch`).
         self.aborted = threading.Event()
         self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
         self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
@@ -76,7 +76,6 @@ class Meetings:
             RendezvousError: the store did not answer before ``deadline``, its port is taken, or
                 a rank did not take part in the agreement in time.
         """
-        self.aborted.clear()
         key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
@@ -103,7 +102,6 @@ class Meetings:
         """
         from torch.distributed.distributed_c10d import _get_default_store
 
-        self.aborted.clear()
         kv = self._kv = AbortableStore(_get_default_store(), self.aborted)
         prefix = agree_launch(kv, rank, world_size, timeout, "the default group's store", deadline)
         return dist.PrefixStore(prefix, kv)
@@ -159,6 +157,7 @@ def launch(
     """
     if ctx.is_initialized(ParallelMode.GLOBAL):
         raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
+    ctx._meetings.aborted.clear()  # an abort() from now on stops this launch
     # Local checks first. A rank whose checks fail but that can still reach the others (its
     # rank, world size and address are valid) tells them at the rendezvous, so that every
     # rank stops at once instead of waiting for it until the timeout.
@@ -222,10 +221,14 @@ def launch(
         ctx.set_device()
         ctx.set_seed(use_seed)
         ctx._post_listeners()
+        if ctx._meetings.aborted.is_set():  # abort() came while torch made the groups
+            raise LaunchAborted(
+                f"rank {args.rank}: the launch was aborted by gpc.abort() while it made the groups"
+            )
         ctx._start_hang_watch()
     except BaseException as exc:
         ctx.destroy()
-        if ctx._meetings.aborted.is_set() and not isinstance(exc, KeyboardInterrupt):
+        if ctx._meetings.aborted.is_set() and not isinstance(exc, (KeyboardInterrupt, LaunchAborted)):
             raise LaunchAborted(
                 f"rank {args.rank}: the launch was aborted by gpc.abort() while it waited "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
