@@ -168,7 +168,7 @@ class _Slot:
         self.reported = 0  # the count last reported
 
 
-_DONE = object()  # stands for the Work of a call that raised
+_DONE = object()  # stands for the Work of a call that raised or gave none
 
 
 def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -> Callable[..., Any]:
@@ -187,7 +187,7 @@ def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -
         except BaseException:
             slot.work = _DONE
             raise
-        slot.work = work
+        slot.work = _DONE if work is None else work  # None: nothing to wait for (coalescing)
         return work
 
     collective.__name__ = collective.__qualname__ = name
