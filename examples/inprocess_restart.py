@@ -1,20 +1,21 @@
-"""In-process restart with parallelctx: survivors abort, tear down and relaunch in their own
-processes; only the failed rank is replaced by a fresh process.
+"""In-process restart with parallelctx: the hang report names the rank that hung, the survivors
+abort, tear down and relaunch in their own processes, and only the named rank is replaced.
 
     python examples/inprocess_restart.py [--world 4] [--steps 30] [--fault-step 10] [--json OUT]
 
 The script is its own supervisor: it starts WORLD workers (``--worker``) on one host, each
-launching with ``parallelctx.launch(rank=, world_size=, port=)`` (rank 0 serves the store), and
-restarts a worker that exits with an error, with the same rank. The workers train a toy model
-(one float64 weight, a data-parallel all-reduce of a gradient per step). At ``--fault-step`` rank
-3 hangs (it stops in a sleep, as on a hung device), so ranks 0-2 wait in an all-reduce that will
-never complete. Each rank runs a watchdog thread: when no step completed for ``--hang`` seconds
-it calls ``gpc.abort()``; a rank whose main thread does not come back within ``--grace``
-seconds exits (code 75), which is what the hung rank does. Ranks 0-2 see their all-reduce raise,
-call ``gpc.destroy()`` and launch again in the same process, with the same world; the supervisor
-starts a new rank 3, which joins that launch. After the relaunch rank 0 broadcasts the step and
-weight it last committed, and training goes on. The final weight is checked against the serial
-computation. With ``--json OUT`` the events and times are written to OUT.
+launching with ``parallelctx.launch(rank=, world_size=, port=)`` (rank 0 serves the store), with
+``dist.hang_report=dict(after=HANG)``. The workers train a toy model (one float64 weight, a
+data-parallel all-reduce of a gradient per step). At ``--fault-step`` rank 3 hangs (it stops in
+a sleep, as on a hung device), so ranks 0-2 wait in an all-reduce that will never complete.
+After ``--hang`` seconds each of them gets a hang report (``gpc.on_hang``) naming the group, the
+call and the rank that never entered it; its handler writes the report to the events file and
+calls ``gpc.abort()``. Their all-reduce raises; they call ``gpc.destroy()`` and launch again in
+the same process, with the same world. The supervisor reads the reports and replaces the ranks
+they name as missing (here rank 3, killed and started anew), and nothing else; the new rank 3
+joins the relaunch. After it rank 0 broadcasts the step and weight it last committed, and
+training goes on. The final weight is checked against the serial computation. With ``--json
+OUT`` the events and times are written to OUT.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,10 @@ import torch
 import torch.distributed as dist
 
 import parallelctx
-from parallelctx import gpc
+from parallelctx import HangReport, gpc
 from parallelctx.env import free_port
 
 LR = 0.01
-HUNG_EXIT = 75
-CONFIG = {"dist": {"timeout": 120, "backend": "gloo"}}
 
 
 def gradient(step: int, rank: int) -> float:
@@ -54,39 +52,6 @@ def serial_weight(world: int, steps: int) -> float:
     return w
 
 
-class Watchdog:
-    """Calls ``gpc.abort()`` when no step completed for ``hang_s`` seconds; exits the process
-    when the main thread does not acknowledge within ``grace_s`` seconds after."""
-
-    def __init__(self, hang_s: float, grace_s: float, log: Any) -> None:
-        self.hang_s, self.grace_s, self.log = hang_s, grace_s, log
-        self.last = time.monotonic()
-        self.done = threading.Event()
-        self.acked = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
-        self.thread.start()
-
-    def beat(self) -> None:
-        """A step completed."""
-        self.last = time.monotonic()
-
-    def stop(self) -> None:
-        """The main thread is back (after a step loop or its failure): stand down."""
-        self.acked.set()
-        self.done.set()
-
-    def _run(self) -> None:
-        while not self.done.wait(0.05):
-            if time.monotonic() - self.last > self.hang_s:
-                self.log("abort")
-                shut = gpc.abort()
-                self.log("aborted", connections=shut)
-                if not self.acked.wait(self.grace_s):
-                    self.log("exit-hung")
-                    os._exit(HUNG_EXIT)
-                return
-
-
 def worker(args: argparse.Namespace) -> int:
     """One rank: launch, train, and relaunch in this process after a fault."""
     out = Path(args.events)
@@ -96,16 +61,24 @@ def worker(args: argparse.Namespace) -> int:
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
+    def on_hang(report: HangReport) -> None:
+        # Every waiting rank gets one report per hung call: write it (the supervisor replaces
+        # the ranks it names as missing) and end the wait.
+        log("hang-report", mode=report.mode.value, call=report.call, missing=list(report.missing))
+        log("abort")
+        log("aborted", connections=report.abort())  # this launch's groups, never the relaunch's
+
+    gpc.on_hang(on_hang)  # kept across destroy() and relaunches
+    config = {"dist": {"timeout": 120, "backend": "gloo", "hang_report": {"after": args.hang}}}
     step, weight, life = 0, 1.0, 0
     while True:
         life += 1
         log("launch", life=life)
-        parallelctx.launch(CONFIG, rank=args.rank, world_size=args.world, port=args.port)
+        parallelctx.launch(config, rank=args.rank, world_size=args.world, port=args.port)
         state = torch.tensor([float(step), weight], dtype=torch.float64)
         dist.broadcast(state, src=0)  # rank 0 survived: its last committed step and weight
         step, weight = int(state[0].item()), state[1].item()
         log("launched", life=life, step=step)
-        dog = Watchdog(args.hang, args.grace, log)
         try:
             while step < args.steps:
                 if step == args.fault_step and args.rank == 3 and not args.replacement:
@@ -115,12 +88,9 @@ def worker(args: argparse.Namespace) -> int:
                 dist.all_reduce(grad)
                 weight -= LR * grad.item() / args.world
                 step += 1
-                dog.beat()
                 if life > 1 and step == state[0].item() + 1:
                     log("resumed", step=step)
-            dog.stop()
         except RuntimeError as exc:
-            dog.stop()
             log("raised", error=str(exc).splitlines()[0][:160])
             start = time.perf_counter()
             gpc.destroy()
@@ -132,7 +102,8 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def supervise(args: argparse.Namespace) -> dict[str, Any]:
-    """Start the workers, replace a rank that fails, wait for all; return events and times."""
+    """Start the workers; replace the ranks the hang reports name as missing (and a rank that
+    fails); wait for all. Returns the events and times."""
     port = free_port()
     events = (
         Path(args.json).with_suffix(".events.jsonl") if args.json else Path(f"/tmp/inprocess-{port}.jsonl")
@@ -152,16 +123,37 @@ def supervise(args: argparse.Namespace) -> dict[str, Any]:
             str(events),
         ]
         argv += ["--world", str(args.world), "--steps", str(args.steps), "--fault-step", str(args.fault_step)]
-        argv += ["--hang", str(args.hang), "--grace", str(args.grace)] + (
-            ["--replacement"] if replacement else []
-        )
+        argv += ["--hang", str(args.hang)] + (["--replacement"] if replacement else [])
         return subprocess.Popen(argv)
+
+    seen = 0
+
+    def named_missing() -> dict[int, list[int]]:
+        """The ranks named missing by hang reports written since the last call -> who named them."""
+        nonlocal seen
+        if not events.exists():
+            return {}
+        lines = events.read_text().splitlines()
+        named: dict[int, list[int]] = {}
+        for line in lines[seen:]:
+            row = json.loads(line)
+            if row["event"] == "hang-report":
+                for rank in row["missing"]:
+                    named.setdefault(rank, []).append(row["rank"])
+        seen = len(lines)
+        return named
 
     began = time.time()
     procs = {rank: start(rank, False) for rank in range(args.world)}
     replaced: list[dict[str, Any]] = []
     deadline = time.monotonic() + args.timeout
     while procs and time.monotonic() < deadline:
+        for rank, by in named_missing().items():
+            if rank in procs and not any(r["rank"] == rank and r["t"] > began for r in replaced):
+                procs[rank].kill()  # hung: named by the others' hang reports
+                procs[rank].wait()
+                replaced.append({"rank": rank, "named_by": sorted(set(by)), "t": time.time()})
+                procs[rank] = start(rank, True)
         for rank, proc in list(procs.items()):
             code = proc.poll()
             if code is None:
@@ -221,8 +213,9 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--fault-step", type=int, default=10)
-    parser.add_argument("--hang", type=float, default=3.0, help="seconds without a step before abort")
-    parser.add_argument("--grace", type=float, default=2.0, help="seconds to come back after abort")
+    parser.add_argument(
+        "--hang", type=float, default=3.0, help="dist.hang_report.after: seconds before a report"
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json")
     parser.add_argument("--worker", action="store_true")

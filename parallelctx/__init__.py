@@ -27,6 +27,7 @@ from .mesh import MeshError
 if TYPE_CHECKING:
     from .checkpoint import checkpoint, rng_context_fn
     from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
+    from .hang import HangReport
     from .launch import (
         init_dist,
         launch,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "checkpoint": "checkpoint",
     "rng_context_fn": "checkpoint",
+    "HangReport": "hang",
     "ModeView": "context",
     "NotLaunchedError": "context",
     "ParallelContext": "context",
@@ -96,6 +98,7 @@ __all__ = [
     "REPLICA",
     "Config",
     "ConfigError",
+    "HangReport",
     "LaunchEnv",
     "LaunchEnvError",
     "Layout",

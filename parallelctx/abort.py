@@ -23,19 +23,26 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 __all__ = [
+    "AbortableStore",
     "Endpoint",
+    "LaunchAborted",
     "abort_groups",
     "listening",
     "new_listeners",
     "post_listeners",
     "read_listeners",
     "shut_down",
+    "socket_inodes",
+    "wake",
 ]
 
 # A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port).
@@ -54,6 +61,11 @@ def _socket_fds() -> dict[int, int]:
                 if target.startswith("socket:["):
                     out[int(target[8:-1])] = int(name)
     return out
+
+
+def socket_inodes() -> frozenset[int]:
+    """Return the inodes of every socket this process holds (cheap: ``/proc/self/fd`` only)."""
+    return frozenset(_socket_fds())
 
 
 def _endpoint(text: str) -> Endpoint:
@@ -124,6 +136,51 @@ def shut_down(listeners: Collection[Endpoint]) -> int:
     return done
 
 
+def _host(address: str) -> str:
+    """The IP address to reach a listener of this process at, from its /proc address in hex."""
+    if not address.strip("0"):
+        return "127.0.0.1"  # bound to every address (0.0.0.0)
+    if len(address) == 8:
+        return socket.inet_ntop(socket.AF_INET, bytes.fromhex(address)[::-1])
+    raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, 32, 8))
+    if raw[:12] == b"\0" * 10 + b"\xff\xff":
+        return socket.inet_ntop(socket.AF_INET, raw[12:])
+    return "::1" if raw == b"\0" * 15 + b"\1" else socket.inet_ntop(socket.AF_INET6, raw)
+
+
+def wake(listeners: Mapping[Endpoint, tuple[int, int]], timeout: float = 0.5) -> int:
+    """End the waits of gloo pairs that wait for a peer that never connected.
+
+    With lazy connection (``TORCH_GLOO_LAZY_INIT``), a pair connects on its first use, and of
+    the two ranks of a pair the one with the lower address waits, with no socket yet, for the
+    other to connect to its group's listener and name itself by its rank in the group (a
+    native 64-bit number). A pending collective waits there until the group's timeout when
+    that peer never comes, and no connection exists to shut down. For every listener of
+    ``listeners`` (endpoint -> this rank's index in the group, group size), this connects
+    once in each peer's name, sends the peer's rank and closes: a waiting pair takes the
+    connection, reads its end at once and raises (``Connection closed by peer``); a
+    connection no pair waits for is held by gloo until the group is destroyed, so a later
+    wait on the aborted group ends the same way. Only a group being aborted may be woken.
+
+    Returns:
+        The number of connections made. Never raises (a listener that refuses is skipped).
+    """
+    done = 0
+    for (address, port), (own, size) in listeners.items():
+        host = _host(address)
+        for peer in range(size):
+            if peer == own:
+                continue  # a pair never waits for its own rank
+            try:
+                with socket.create_connection((host, port), timeout=timeout) as sock:
+                    sock.sendall(struct.pack("=Q", peer))
+                    sock.shutdown(socket.SHUT_WR)
+                done += 1
+            except OSError:
+                break  # this listener is gone or refuses: the next one
+    return done
+
+
 def post_listeners(store: Any, rank: int, listeners: Collection[Endpoint]) -> None:
     """Post ``listeners`` (this rank's gloo listeners) on the launch's ``store``, where the other
     ranks' :func:`read_listeners` finds them: one write, no wait; a store error is ignored (abort
@@ -163,8 +220,6 @@ def abort_groups(groups: Collection[Any], include_default: bool) -> None:
     group when ``include_default`` and it exists: NCCL ends its communicators; gloo, which does
     not implement abort, does nothing (:func:`shut_down` ends its collectives). A group that
     fails to abort is logged; returns None."""
-    import torch.distributed as dist
-
     distinct: dict[int, Any] = {id(g): g for g in groups if g is not None}
     if include_default and dist.is_initialized() and dist.group.WORLD is not None:
         distinct[id(dist.group.WORLD)] = dist.group.WORLD
@@ -173,3 +228,70 @@ def abort_groups(groups: Collection[Any], include_default: bool) -> None:
             g.abort()
         except Exception:
             logging.getLogger("parallelctx").exception("parallelctx: abort of process group %r failed", g)
+
+
+class LaunchAborted(RuntimeError):
+    """``gpc.abort()`` was called while this rank's launch waited at the rendezvous."""
+
+
+class AbortableStore(dist.Store):
+    """A store that refuses every call once ``aborted`` is set, raising :class:`LaunchAborted`:
+    the launch's waits call the store every 0.25 s at most, so ``gpc.abort()`` ends them.
+    Everything else is passed to ``inner`` unchanged (a wait already inside ``inner`` runs to its
+    own end); :meth:`clone` gives a plain clone of ``inner``. torch holds a store made in Python
+    without keeping the Python object alive: keep a reference for as long as it is used."""
+
+    def __init__(self, inner: Any, aborted: threading.Event) -> None:
+        super().__init__()
+        self._inner = inner
+        self._aborted = aborted
+
+    def _check(self) -> None:
+        if self._aborted.is_set():
+            raise LaunchAborted("parallelctx: gpc.abort() was called during the launch")
+
+    def set(self, key: str, value: Any) -> None:
+        self._check()
+        self._inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._check()
+        return self._inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._check()
+        return self._inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self._check()
+        return self._inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._check()
+        return self._inner.multi_get(keys)
+
+    def multi_set(self, keys: list[str], values: list[Any]) -> None:
+        self._check()
+        self._inner.multi_set(keys, values)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._check()
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        self._check()
+        return self._inner.delete_key(key)
+
+    def wait(self, keys: list[str], *timeout: Any) -> None:
+        self._check()
+        self._inner.wait(keys, *timeout)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._inner.set_timeout(timeout)
+
+    def clone(self) -> Any:
+        # A plain clone of the inner store: abort() itself reads the peers' listeners through it.
+        return self._inner.clone()

@@ -330,6 +330,39 @@ class ParallelConfig(BaseModel):
         return layout
 
 
+class HangReportConfig(BaseModel):
+    """``dist.hang_report``: report a collective that has waited longer than ``after`` seconds.
+
+    ``after`` takes seconds (int or float) or a :class:`datetime.timedelta`, in the range of
+    ``dist.timeout``; make it shorter than ``dist.timeout``, or torch raises first. ``log``
+    (default True) logs each report as a warning on the ``parallelctx`` logger; the handlers of
+    ``gpc.on_hang`` are called either way. See ``docs/reliability.md``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    after: timedelta
+    log: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        if not isinstance(value, (Mapping, HangReportConfig)):
+            raise ValueError(
+                f"dist.hang_report={value!r} is of type {type(value).__name__}; give a dict such as "
+                "dict(after=60) (report a collective that waits longer than 60 s), or leave it out"
+            )
+        return _only_known_keys("dist.hang_report", value, tuple(cls.model_fields))
+
+    @field_validator("after", mode="before")
+    @classmethod
+    def _seconds_or_timedelta(cls, value: Any) -> Any:
+        try:
+            return to_timedelta(value, "dist.hang_report.after")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
+
 class DistConfig(BaseModel):
     """The ``dist`` section: backend, timeout of every wait, and how ranks meet.
 
@@ -339,6 +372,8 @@ class DistConfig(BaseModel):
     ``tcp://host:port`` from their arguments.
     ``gloo_lazy_init`` makes parallelctx's gloo subgroups connect on their first collective
     (as NCCL does) instead of when they are made; a TORCH_GLOO_LAZY_INIT set by the user wins.
+    ``hang_report`` (``dict(after=SECONDS)``, off by default) names the ranks a hung collective
+    waits for (:class:`HangReportConfig`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -347,6 +382,7 @@ class DistConfig(BaseModel):
     timeout: timedelta = DEFAULT_TIMEOUT
     init_method: StrictStr | None = None
     gloo_lazy_init: StrictBool = True
+    hang_report: HangReportConfig | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from . import abort as _abort
+from . import hang as _hang
 from . import startup
 from .config import DEFAULT_TIMEOUT, Config, load_config
 from .groups import ModeGroup
@@ -74,6 +76,11 @@ class ParallelContext:
         self._meetings = startup.Meetings()
         # The dry run this process plays (parallelctx.dryrun), kept across destroy() for its report.
         self._dry_run: Any = None
+        # gpc.on_hang handlers: kept across destroy() (an in-process restart keeps its watchdog).
+        self._hang_handlers: list[Callable[[_hang.HangReport], Any]] = []
+        # abort() and destroy()'s teardown never overlap (an abort from a watchdog may still be
+        # shutting down connections when the main thread, its collective ended, destroys).
+        self._abort_lock = threading.RLock()
         self._reset()
 
     # ------------------------------------------------------------------ state
@@ -136,6 +143,9 @@ class ParallelContext:
         # Groups parallelctx made after launch (the Megatron bridge's): abort() covers them too.
         self._later_groups: list[Any] = []
         self._listeners: list[_abort.Endpoint] = []
+        # Socket inode -> (rank in group, group size) of each gloo group's listener, for abort().
+        self._sockets: dict[int, tuple[int, int]] = {}
+        self._hang: _hang.HangWatch | None = None  # dist.hang_report, while launched
         for name in VIEW_NAMES.values():
             setattr(self, name, Unlaunched(name))
 
@@ -259,6 +269,10 @@ class ParallelContext:
         )
         self._owns_default_group = made.owned
         self._launch_kv, self._listen_before = made.store, made.listening
+        if made.owned and world_size > 1:  # the default group's listener, for abort()
+            self._sockets.update(
+                (inode, (rank, world_size)) for inode in _abort.listening() if inode not in made.listening
+            )
         self._hostnames = made.hostnames or self._hostnames
         self._global_rank = rank
         self._world_size = world_size
@@ -285,7 +299,12 @@ class ParallelContext:
             self._backend, self._owns_default_group, self._timeout or self.config.dist.timeout, ()
         )
         groups, self._group_calls = startup.make_groups(
-            self._meetings, layout, self._global_rank, default, self.config.dist.gloo_lazy_init
+            self._meetings,
+            layout,
+            self._global_rank,
+            default,
+            self.config.dist.gloo_lazy_init,
+            sockets=self._sockets,
         )
         self._layout = layout
         for mode, g in groups.items():
@@ -373,6 +392,70 @@ class ParallelContext:
         self._streams = RNGStreams(seeds, cuda=self._device.type == "cuda")
         self._seed = base
 
+    def on_hang(self, handler: Callable[[_hang.HangReport], Any]) -> Callable[[_hang.HangReport], Any]:
+        """Call ``handler(report)`` when a collective on one of gpc's groups has waited longer
+        than ``dist.hang_report.after`` (config ``dist.hang_report=dict(after=SECONDS)``; off
+        by default, when nothing is watched). ``report`` is a :class:`parallelctx.HangReport`:
+        ``.mode``, ``.op``, ``.call``, ``.missing`` (sorted global ranks that never entered the
+        call), ``.mismatched`` (ranks that entered another call). Every waiting rank calls its
+        handlers once per hung call, in the watching thread; a handler may call :meth:`abort`.
+        Handlers are kept across :meth:`destroy` and relaunches; one handler is kept once.
+
+        Returns:
+            ``handler`` (so that it can serve as a decorator).
+
+        Raises:
+            TypeError: ``handler`` is not callable.
+        """
+        if not callable(handler):
+            raise TypeError(f"on_hang takes a function of one argument (the report), not {handler!r}")
+        if handler not in self._hang_handlers:
+            self._hang_handlers.append(handler)
+        return handler
+
+    def _start_hang_watch(self) -> None:
+        """Start the hang report of this launch when ``dist.hang_report`` asks for it (and the
+        world has more than one rank and a store); returns None."""
+        settings = self._config.dist.hang_report if self._config is not None else None
+        if settings is None or self._world_size < 2 or self._launch_kv is None or self._hang is not None:
+            return
+        watched: dict[int, tuple[Any, list[ParallelMode], bool, tuple[int, ...]]] = {}
+        for mode, view in self._views.items():
+            for group, cpu in ((view.group, False), (view.cpu_group, True)):
+                if id(group) in watched:
+                    if mode not in watched[id(group)][1]:
+                        watched[id(group)][1].append(mode)
+                else:
+                    watched[id(group)] = (
+                        group,
+                        [mode],
+                        cpu and view.cpu_group is not view.group,
+                        tuple(view.ranks),
+                    )
+        try:
+            store = self._launch_kv.clone()
+        except Exception:
+            store = self._launch_kv
+        watch: _hang.HangWatch | None = None
+
+        def abort_this_launch() -> int:
+            with self._abort_lock:
+                return self.abort() if watch is not None and self._hang is watch else 0
+
+        watch = self._hang = _hang.HangWatch(
+            settings.after,
+            self._global_rank,
+            store,
+            [
+                (g, tuple(sorted(m, key=list(ParallelMode).index)), cpu, r)
+                for g, m, cpu, r in watched.values()
+            ],
+            self._hang_handlers,
+            log=settings.log,
+            aborter=abort_this_launch,
+        )
+        watch.start()
+
     def add_destroy_hook(self, hook: Callable[[], None]) -> None:
         """Have :meth:`destroy` call ``hook()`` first, while the groups still exist (hooks run
         last-added first; one hook is kept once however often it is added). The hooks are
@@ -399,6 +482,14 @@ class ParallelContext:
         """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
         bridge's groups): its gloo listener is posted for the other ranks at once."""
         self._later_groups.append(group)
+        if (
+            isinstance(group, torch.distributed.ProcessGroup)
+            and group.size() > 1
+            and self._listen_before is not None
+        ):
+            for inode in _abort.listening():
+                if inode not in self._listen_before and inode not in self._sockets:
+                    self._sockets[inode] = (group.rank(), group.size())
         self._post_listeners()
 
     def abort(self, timeout: float = 2.0) -> int:
@@ -413,7 +504,10 @@ class ParallelContext:
 
         ``timeout`` (seconds) bounds the read of the other ranks' gloo listeners from the
         launch's store; when it does not answer in time, only this rank's listeners are used.
-        Before launch or after :meth:`destroy` it finds nothing to do; a second call is harmless.
+        During a launch (from another thread), the launch stops at its next call to the
+        rendezvous store (within 0.25 s) and raises :class:`parallelctx.abort.LaunchAborted`.
+        Before launch or after :meth:`destroy` it finds nothing else to do; a second call is
+        harmless.
 
         Returns:
             The number of gloo connections shut down.
@@ -421,12 +515,24 @@ class ParallelContext:
         Raises:
             Nothing: a group that fails to abort is logged and the others are still aborted.
         """
-        groups = [*self._groups.values(), *self._cpu_groups.values(), *self._later_groups]
-        if not any(g is not None for g in groups):
-            return 0
+        with self._abort_lock:
+            self._meetings.aborted.set()  # a launch under way stops at its next store call
+            groups = [*self._groups.values(), *self._cpu_groups.values(), *self._later_groups]
+            if not any(g is not None for g in groups):
+                return 0
+            return self._abort_groups(groups, timeout)
+
+    def _abort_groups(self, groups: list[Any], timeout: float) -> int:
+        """The work of :meth:`abort` once groups exist; returns the connections shut down."""
         _abort.abort_groups(groups, self._owns_default_group)
-        if self._listen_before is not None:  # this rank's listeners now, groups made later included
-            self._listeners = _abort.new_listeners(self._listen_before)
+        # This rank's own listeners first (no store needed): wake the pairs that wait for a peer
+        # that never connected, and shut down the connections made; then the peers' listeners.
+        mine = _abort.listening()
+        if self._listen_before is not None:  # groups made later included
+            self._listeners = sorted(e for i, e in mine.items() if i not in self._listen_before)
+        woken = {mine[i]: where for i, where in self._sockets.items() if i in mine}
+        _abort.wake(woken)
+        shut = _abort.shut_down(self._listeners)
         peers: list[_abort.Endpoint] | None = []
         if self._launch_kv is not None:
             peers = _abort.read_listeners(self._launch_kv, self._global_rank, self._world_size, timeout)
@@ -437,7 +543,7 @@ class ParallelContext:
                 "connections to this rank's listeners are shut down",
                 timeout,
             )
-        return _abort.shut_down([*self._listeners, *(peers or [])])
+        return shut + _abort.shut_down([*self._listeners, *(peers or [])])
 
     def destroy(self) -> None:
         """Run the destroy hooks (:meth:`add_destroy_hook`), tear down every group parallelctx
@@ -455,10 +561,16 @@ class ParallelContext:
                 logger.exception("parallelctx: destroy hook %r failed", hook)
                 failed = failed or exc
         self._destroy_hooks = []
-        try:
-            startup.tear_down(self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()])
-        finally:
-            self._reset()
+        watch, self._hang = self._hang, None
+        if watch is not None:
+            watch.stop()
+        with self._abort_lock:
+            try:
+                startup.tear_down(
+                    self._owns_default_group, [*self._groups.values(), *self._cpu_groups.values()]
+                )
+            finally:
+                self._reset()
         if failed is not None:
             raise failed
 

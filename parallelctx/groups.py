@@ -43,9 +43,10 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import abort as _abort
 from .layout import Layout, ParallelMode
 
-__all__ = ["ModeGroup", "create_groups", "creation_order", "local_sync_blocker"]
+__all__ = ["ModeGroup", "Sockets", "create_groups", "creation_order", "local_sync_blocker"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -146,16 +147,33 @@ def _gloo_lazy_init(enabled: bool) -> Iterator[None]:
         os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 
+Sockets = dict[int, tuple[int, int]]
+"""Socket inode -> (this rank's index in the group, group size), for every socket a group's
+creation opened: its gloo listener, for ``gpc.abort()`` (see :mod:`parallelctx.abort`)."""
+
+
+def _new_group(sockets: Sockets | None, *args: Any, **kwargs: Any) -> Any:
+    """``dist.new_group(*args, **kwargs)``, noting in ``sockets`` the sockets it opened."""
+    before = _abort.socket_inodes() if sockets is not None else frozenset()
+    group = dist.new_group(*args, **kwargs)
+    if sockets is not None and isinstance(group, dist.ProcessGroup) and group.size() > 1:
+        for inode in _abort.socket_inodes() - before:
+            sockets[inode] = (group.rank(), group.size())
+    return group
+
+
 def _local_group(
     members: Sequence[int],
     timeout: timedelta,
     backend: str | None,
     desc: str,
     used: set[tuple[Sequence[int], int]],
+    sockets: Sockets | None,
 ) -> dist.ProcessGroup:
     """Create one group that only its members call for (local synchronization)."""
     _claim_name(members, used)
-    return dist.new_group(
+    return _new_group(
+        sockets,
         list(members),
         timeout=timeout,
         backend=backend,
@@ -165,13 +183,19 @@ def _local_group(
 
 
 def _group_everywhere(
-    layout: Layout, mode: ParallelMode, rank: int, timeout: timedelta, backend: str | None, desc: str
+    layout: Layout,
+    mode: ParallelMode,
+    rank: int,
+    timeout: timedelta,
+    backend: str | None,
+    desc: str,
+    sockets: Sockets | None,
 ) -> tuple[Any, int]:
     """Create every group of ``mode`` on this rank (all ranks call); return (ours or None, calls)."""
     mine = None
     rows = layout.group_array(mode).tolist()
     for row in rows:
-        group = dist.new_group(row, timeout=timeout, backend=backend, group_desc=desc)
+        group = _new_group(sockets, row, timeout=timeout, backend=backend, group_desc=desc)
         if rank in row:
             mine = group
     return mine, len(rows)
@@ -184,6 +208,7 @@ def _one_rank_group(
     cpu_backend: str | None,
     blocker: str | None,
     used: set[tuple[Sequence[int], int]],
+    sockets: Sockets | None,
 ) -> tuple[ModeGroup, int]:
     """Create the one-rank group of ``rank`` (and its CPU twin); return it and the call count.
 
@@ -195,11 +220,11 @@ def _one_rank_group(
         rows = [[r] for r in range(layout.world_size)]
         group = cpu_group = None
         for row in rows:
-            g = dist.new_group(row, timeout=timeout, group_desc="parallelctx_self")
+            g = _new_group(sockets, row, timeout=timeout, group_desc="parallelctx_self")
             c = g
             if cpu_backend is not None:
-                c = dist.new_group(
-                    row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
+                c = _new_group(
+                    sockets, row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
                 )
             if row[0] == rank:
                 group, cpu_group = g, c
@@ -209,10 +234,10 @@ def _one_rank_group(
                 f"rank {rank} is outside the world of {layout.world_size}: no one-rank group made"
             )
         return ModeGroup(members, group, cpu_group), per_row * len(rows)
-    group = _local_group(members, timeout, None, "parallelctx_self", used)
+    group = _local_group(members, timeout, None, "parallelctx_self", used, sockets)
     cpu_group = group
     if cpu_backend is not None:
-        cpu_group = _local_group(members, timeout, cpu_backend, "parallelctx_self_cpu", used)
+        cpu_group = _local_group(members, timeout, cpu_backend, "parallelctx_self_cpu", used, sockets)
     return ModeGroup(members, group, cpu_group), 1 if cpu_backend is None else 2
 
 
@@ -223,6 +248,7 @@ def create_groups(
     cpu_backend: str | None,
     used_names: set[tuple[Sequence[int], int]] | None = None,
     gloo_lazy_init: bool = True,
+    sockets: Sockets | None = None,
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     """Create the process groups of every mode that ``rank`` belongs to.
 
@@ -236,6 +262,8 @@ def create_groups(
             :func:`_claim_name`); updated in place. None: no check (a fresh default group).
         gloo_lazy_init: gloo groups connect on their first collective instead of at creation,
             unless TORCH_GLOO_LAZY_INIT is set in the environment.
+        sockets: filled in place with the sockets each group's creation opened (see
+            :data:`Sockets`); None: not noted.
 
     Returns:
         ``({mode: ModeGroup}, number of new_group calls)``. A mode this rank is in no group of
@@ -247,7 +275,7 @@ def create_groups(
     """
     used = set() if used_names is None else used_names
     with _gloo_lazy_init(gloo_lazy_init):
-        return _create(layout, rank, timeout, cpu_backend, used)
+        return _create(layout, rank, timeout, cpu_backend, used, sockets)
 
 
 def _create(
@@ -256,6 +284,7 @@ def _create(
     timeout: timedelta,
     cpu_backend: str | None,
     used: set[tuple[Sequence[int], int]],
+    sockets: Sockets | None,
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
@@ -271,7 +300,9 @@ def _create(
             blocker,
         )
     if cpu_backend is not None and layout.world_size > 1:
-        cpu_world = dist.new_group(backend=cpu_backend, timeout=timeout, group_desc="parallelctx_cpu_global")
+        cpu_world = _new_group(
+            sockets, backend=cpu_backend, timeout=timeout, group_desc="parallelctx_cpu_global"
+        )
         calls += 1
     made: dict[tuple, ModeGroup] = {}
     out: dict[ParallelMode, ModeGroup] = {}
@@ -290,7 +321,7 @@ def _create(
             if not members:
                 continue
             if alone is None:
-                alone, n = _one_rank_group(layout, rank, timeout, cpu_backend, blocker, used)
+                alone, n = _one_rank_group(layout, rank, timeout, cpu_backend, blocker, used, sockets)
                 calls += n
             out[mode] = alone
         elif sig in made:
@@ -298,23 +329,23 @@ def _create(
                 out[mode] = made[sig]
         elif blocker is not None:
             # Every rank walks every group, members or not (EMBEDDING's middle stages too).
-            group, n = _group_everywhere(layout, mode, rank, timeout, None, mode.value)
+            group, n = _group_everywhere(layout, mode, rank, timeout, None, mode.value, sockets)
             calls += n
             cpu_group = group
             if cpu_backend is not None:
                 cpu_group, n = _group_everywhere(
-                    layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu"
+                    layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu", sockets
                 )
                 calls += n
             made[sig] = ModeGroup(members, group, cpu_group)
             if members:
                 out[mode] = made[sig]
         elif members:
-            group = _local_group(members, timeout, None, mode.value, used)
+            group = _local_group(members, timeout, None, mode.value, used, sockets)
             calls += 1
             cpu_group = group
             if cpu_backend is not None:
-                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu", used)
+                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu", used, sockets)
                 calls += 1
             made[sig] = out[mode] = ModeGroup(members, group, cpu_group)
     return out, calls

@@ -163,11 +163,17 @@ def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any
 
 
 def connect_store(
-    url: str, rank: int, world_size: int, timeout: timedelta, deadline: float | None = None
+    url: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    deadline: float | None = None,
+    aborted: threading.Event | None = None,
 ) -> Any:
     """Reach the rendezvous store of ``url`` (rank 0 of a ``tcp://`` URL serves it) within
     ``timeout`` (or by ``deadline``, a ``time.monotonic()`` value), in a helper thread so that a peer that accepts but never answers cannot hang
-    this rank, and Ctrl-C / SIGTERM are acted on at once.
+    this rank, and Ctrl-C / SIGTERM are acted on at once, and so is ``aborted`` (set by
+    ``gpc.abort()``) when given.
 
     Returns:
         The store (a ``torch.distributed.Store``).
@@ -199,6 +205,8 @@ def connect_store(
     with _waiting(lambda: what):
         thread.start()
         while thread.is_alive() and time.monotonic() < deadline:
+            if aborted is not None and aborted.is_set():
+                raise RendezvousError(f"rank {rank}: aborted while waiting for {what}", (), where)
             thread.join(min(_SLICE_S, max(deadline - time.monotonic(), 0.0)))
     if "store" in box:
         return box["store"]

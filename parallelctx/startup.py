@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .abort import listening
+from .abort import AbortableStore, LaunchAborted, listening
 from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, check_init_method_env
-from .groups import ModeGroup, create_groups
+from .groups import ModeGroup, Sockets, create_groups
 from .layout import Layout, ParallelMode
 from .rendezvous import Arrival, RendezvousError, agree_launch, connect_store, exchange
 
@@ -61,6 +62,11 @@ class Meetings:
     def __init__(self) -> None:
         self._stores: dict[tuple[str, int, int], Any] = {}
         self._adopted: tuple[Any, set[tuple[Any, int]]] = (None, set())
+        # Set by gpc.abort(): the launch under way stops at its next store call; cleared when a
+        # launch starts (:func:`launch`).
+        self.aborted = threading.Event()
+        self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
+        self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
 
     def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
@@ -73,11 +79,20 @@ class Meetings:
         key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
-            base = connect_store(url, rank, world_size, timeout, deadline)
+            base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
             self._stores[key] = base
         base.set_timeout(timeout)
-        prefix = agree_launch(base, rank, world_size, timeout, _shown_url(url), deadline)
-        return dist.PrefixStore(prefix, base)
+        kv = self._kv = AbortableStore(base, self.aborted)
+        prefix = agree_launch(kv, rank, world_size, timeout, _shown_url(url), deadline)
+        meeting = dist.PrefixStore(prefix, kv)
+        self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
+        return meeting
+
+    def plain(self, store: Any) -> Any:
+        """Return the store torch's groups get for ``store`` (from :meth:`store`): the same keys
+        without the refusal after ``gpc.abort()``, so that torch's own threads never call into
+        Python. Any other store is returned as it is."""
+        return self._plain.get(id(store), store)
 
     def adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the adopted default group's store under the prefix the ranks agreed is new.
@@ -87,9 +102,9 @@ class Meetings:
         """
         from torch.distributed.distributed_c10d import _get_default_store
 
-        base = _get_default_store()
-        prefix = agree_launch(base, rank, world_size, timeout, "the default group's store", deadline)
-        return dist.PrefixStore(prefix, base)
+        kv = self._kv = AbortableStore(_get_default_store(), self.aborted)
+        prefix = agree_launch(kv, rank, world_size, timeout, "the default group's store", deadline)
+        return dist.PrefixStore(prefix, kv)
 
     def adopted_names(self) -> set[tuple[Any, int]]:
         """Return the set of group names already used on the current adopted default group
@@ -145,6 +160,7 @@ def launch(
         raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
     if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
         return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
+    ctx._meetings.aborted.clear()  # an abort() from now on stops this launch
     # Local checks first. A rank whose checks fail but that can still reach the others (its
     # rank, world size and address are valid) tells them at the rendezvous, so that every
     # rank stops at once instead of waiting for it until the timeout.
@@ -208,8 +224,18 @@ def launch(
         ctx.set_device()
         ctx.set_seed(use_seed)
         ctx._post_listeners()
-    except BaseException:
+        if ctx._meetings.aborted.is_set():  # abort() came while torch made the groups
+            raise LaunchAborted(
+                f"rank {args.rank}: the launch was aborted by gpc.abort() while it made the groups"
+            )
+        ctx._start_hang_watch()
+    except BaseException as exc:
         ctx.destroy()
+        if ctx._meetings.aborted.is_set() and not isinstance(exc, (KeyboardInterrupt, LaunchAborted)):
+            raise LaunchAborted(
+                f"rank {args.rank}: the launch was aborted by gpc.abort() while it waited "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            ) from exc
         raise
     if args.local_world_size is not None and args.local_world_size != on_node:
         logger.warning(
@@ -415,7 +441,9 @@ def init_default_group(
             arrivals = exchange(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
             hostnames = tuple(a.host for a in arrivals)
     before = frozenset(listening())
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=store)
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
+    )
     return DefaultGroup(backend, True, timeout, hostnames, None if world_size == 1 else store, before)
 
 
@@ -425,6 +453,7 @@ def make_groups(
     rank: int,
     default: DefaultGroup,
     gloo_lazy_init: bool,
+    sockets: Sockets | None = None,
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     """Create this rank's groups of ``layout`` in the fixed, rank-independent order of
     :func:`parallelctx.groups.create_groups`, with a gloo twin beside each group of an
@@ -439,7 +468,13 @@ def make_groups(
     cpu_backend = None if default.backend in CPU_BACKENDS else "gloo"
     used = None if default.owned else meetings.adopted_names()
     return create_groups(
-        layout, rank, default.timeout, cpu_backend, used_names=used, gloo_lazy_init=gloo_lazy_init
+        layout,
+        rank,
+        default.timeout,
+        cpu_backend,
+        used_names=used,
+        gloo_lazy_init=gloo_lazy_init,
+        sockets=sockets,
     )
 
 

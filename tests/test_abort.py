@@ -59,3 +59,31 @@ def test_a_store_that_cannot_be_read_gives_none_at_once() -> None:
     start = time.monotonic()
     assert abort.read_listeners(object(), 0, 2, timeout=5) is None
     assert time.monotonic() - start < 1
+
+
+def test_wake_connects_to_a_listener_once_in_each_peers_name() -> None:
+    # What a gloo listener of a lazily connected group reads from a connecting peer: its rank in
+    # the group, a native 64-bit number. wake() sends every peer's rank but this rank's own.
+    import struct
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    port = listener.getsockname()[1]
+    try:
+        assert abort.wake({("0100007F", port): (2, 4)}) == 3
+        seen = []
+        for _ in range(3):
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(5)
+                data = b""
+                while len(data) < 8:
+                    chunk = conn.recv(8 - len(data))
+                    assert chunk, "closed before the rank was sent"
+                    data += chunk
+                seen.append(struct.unpack("=Q", data)[0])
+                assert conn.recv(1) == b""  # then the end: a waiting pair raises at once
+        assert sorted(seen) == [0, 1, 3]
+    finally:
+        listener.close()
+    assert abort.wake({("0100007F", port): (0, 2)}) == 0  # a listener gone: skipped, no error

@@ -209,8 +209,9 @@ def test_abort_ends_a_hung_collective_and_the_relaunch_works(tmp_path: Path, who
 
 @pytest.mark.timeout(600)
 def test_inprocess_restart_recipe(tmp_path: Path) -> None:
-    # examples/inprocess_restart.py: rank 3 hangs at step 10 of 30; the watchdogs abort, ranks
-    # 0-2 relaunch in their own processes and a new rank 3 joins; the weight matches serial.
+    # examples/inprocess_restart.py: rank 3 hangs at step 10 of 30; the hang reports name it, the
+    # handlers abort, ranks 0-2 relaunch in their own processes and a new rank 3 (the rank the
+    # reports named) joins; the weight matches serial.
     out = tmp_path / "inprocess.json"
     proc = subprocess.run(
         [sys.executable, "examples/inprocess_restart.py", "--json", str(out)],
@@ -223,7 +224,14 @@ def test_inprocess_restart_recipe(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     times, events = result["times"], result["events"]
-    assert [(r["rank"], r["code"]) for r in result["replaced"]] == [(3, 75)]  # only the hung rank
+    # only the hung rank, replaced as soon as a hang report named it missing; every rank that
+    # waited for it reported it (mode data, the all-reduce), once
+    assert [r["rank"] for r in result["replaced"]] == [3], result["replaced"]
+    assert result["replaced"][0]["named_by"] and set(result["replaced"][0]["named_by"]) <= {0, 1, 2}
+    reports = sorted(
+        (r["rank"], r["mode"], r["call"], r["missing"]) for r in events if r["event"] == "hang-report"
+    )
+    assert reports == [(r, "global", "all_reduce(float64[1])", [3]) for r in (0, 1, 2)], reports
     assert set(times["final_weights"].values()) == {times["serial_weight"]}
     assert sorted(times["final_weights"]) == ["0", "1", "2", "3"]
     for rank in (0, 1, 2):  # the survivors relaunched in the same process

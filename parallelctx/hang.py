@@ -1,0 +1,347 @@
+"""Hang reports: when a collective on one of gpc's groups waits too long, name the group, the
+call and the ranks that never came (or came with another call), on every backend.
+
+torch names nobody when a gloo collective times out (NCCL has its flight recorder; gloo and the
+CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a launch starts a
+:class:`HangWatch`:
+
+* **Counting, on the hot path.** The collective methods of ``torch.distributed.ProcessGroup``
+  that the ``torch.distributed`` functions call (``allreduce`` for ``all_reduce``, and so on)
+  are wrapped while a watch runs (a ProcessGroup accepts no per-object attribute, so the class
+  is wrapped and every other group passes straight through). For a watched group, a call
+  counts itself and keeps a reference to its arguments and to the ``Work`` torch returns: a
+  dict lookup, three attribute writes, no store, no string. Point-to-point calls and torch's
+  functional collectives (``torch.distributed._functional_collectives``, used by DTensor) do
+  not pass through these methods and are not counted.
+* **Watching, in one daemon thread** every ``after / 4`` seconds (0.05 s to 1 s): it posts this
+  rank's progress (per group: the number of calls entered and the last call, worded as
+  ``all_reduce(float32[4])``) to the launch's store when it changed (one write per tick, off
+  the hot path), and looks for a call on a watched group that has not completed
+  (``Work.is_completed()``) ``after`` seconds after it was entered. For such a call it reads
+  the other members' progress from the store, once, and makes a :class:`HangReport`: members
+  that entered fewer calls are missing, members that entered as many but a different call, or
+  more, are mismatched. The report is logged (once per call) and handed to every handler of
+  ``gpc.on_hang``, in this thread (a handler may call ``gpc.abort()``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .layout import ParallelMode
+
+__all__ = ["OPS", "HangReport", "HangWatch", "describe_call"]
+
+logger = logging.getLogger("parallelctx")
+
+OPS: dict[str, str] = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather": "all_gather",
+    "allgather_coalesced": "all_gather_coalesced",
+    "all_gather_single": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "alltoall": "all_to_all",
+    "all_to_all_single": "all_to_all_single",
+    "broadcast": "broadcast",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "barrier": "barrier",
+}
+"""``ProcessGroup`` method -> the ``torch.distributed`` function that calls it (the op named)."""
+
+
+@dataclass(frozen=True)
+class HangReport:
+    """A collective on one of gpc's groups that has waited longer than ``dist.hang_report.after``.
+
+    Attributes:
+        mode: the parallel mode of the group (the first, in :class:`ParallelMode` order, of
+            ``modes``).
+        modes: every mode this group serves (modes with the same members share one group).
+        cpu: True for the gloo CPU twin of the mode's group (``gpc.get_cpu_group``).
+        op: the ``torch.distributed`` function, e.g. ``"all_reduce"``.
+        call: the call with its tensors' dtypes and shapes, e.g. ``"all_reduce(float32[4])"``.
+        count: which call this is on the group, on this rank (1 = the first since launch).
+        rank: this process's global rank.
+        ranks: the group's global ranks.
+        missing: sorted global ranks of the group that have not entered this call.
+        mismatched: global rank -> the call it entered instead (as many calls as this rank but
+            another one, or more calls: it went past this one).
+        waited: seconds this rank has waited in the call.
+        progress_known: False when the other ranks' progress could not be read from the store
+            (``missing`` and ``mismatched`` are then empty).
+
+    :meth:`abort` aborts the launch that made the report, and nothing once it was destroyed.
+    """
+
+    mode: ParallelMode
+    modes: tuple[ParallelMode, ...]
+    cpu: bool
+    op: str
+    call: str
+    count: int
+    rank: int
+    ranks: tuple[int, ...]
+    missing: tuple[int, ...]
+    mismatched: dict[int, str] = field(default_factory=dict)
+    waited: float = 0.0
+    progress_known: bool = True
+    aborter: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+
+    def abort(self) -> int:
+        """Call ``gpc.abort()`` if the launch that made this report is still the current one
+        (a handler that aborts later, from a timer, cannot hit the relaunch).
+
+        Returns:
+            What ``gpc.abort()`` returned, or 0 when that launch is gone. Never raises.
+        """
+        return self.aborter() if self.aborter is not None else 0
+
+    def __str__(self) -> str:
+        group = f"the {self.mode.value} group{' (CPU twin)' if self.cpu else ''} (ranks {_ranks(self.ranks)})"
+        head = f"rank {self.rank} has waited {self.waited:.1f} s in {self.call}, call {self.count} on {group}"
+        if not self.progress_known:
+            return f"{head}; the other ranks' progress could not be read from the launch's store"
+        parts = []
+        if self.missing:
+            parts.append(
+                f"rank{'s' if len(self.missing) > 1 else ''} {_ranks(self.missing)} never entered it"
+            )
+        for r, other in sorted(self.mismatched.items()):
+            parts.append(f"rank {r} entered a different call: {other} (mismatch)")
+        return f"{head}: " + (
+            "; ".join(parts) if parts else "every rank entered it (it is slow, not missing)"
+        )
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _tensor_text(value: Any) -> str | None:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{dtype}[{', '.join(str(d) for d in value.shape)}]"
+    if isinstance(value, (list, tuple)) and value:
+        inner = [t for t in (_tensor_text(v) for v in value) if t is not None]
+        if inner:
+            same = all(t == inner[0] for t in inner)
+            return f"{len(inner)} x {inner[0]}" if same and len(inner) > 1 else ", ".join(inner)
+    return None
+
+
+def describe_call(op: str, args: Sequence[Any]) -> str:
+    """Word a collective call: ``op`` and its tensor arguments' dtypes and shapes, e.g.
+    ``"all_reduce(float32[4])"`` or ``"all_gather(8 x float32[2], float32[2])"``. Never raises."""
+    try:
+        texts = [t for t in (_tensor_text(a) for a in args) if t is not None]
+    except Exception:  # a describing error must never hide the report
+        texts = []
+    return f"{op}({', '.join(texts)})"
+
+
+class _Slot:
+    """One watched process group: its calls (written by the collective's thread)."""
+
+    __slots__ = ("call", "count", "cpu", "key", "modes", "ranks", "reported", "work")
+
+    def __init__(self, key: str, modes: tuple[ParallelMode, ...], cpu: bool, ranks: tuple[int, ...]) -> None:
+        self.key, self.modes, self.cpu, self.ranks = key, modes, cpu, ranks
+        self.count = 0
+        self.call: tuple[int, str, tuple[Any, ...], float] | None = None  # count, op, args, entered
+        self.work: Any = None  # the call's Work; None while torch has not returned it
+        self.reported = 0  # the count last reported
+
+
+_DONE = object()  # stands for the Work of a call that raised or gave none
+
+
+def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -> Callable[..., Any]:
+    op = OPS[name]
+    clock = time.monotonic
+
+    def collective(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slot = slots.get(self)
+        if slot is None:
+            return original(self, *args, **kwargs)
+        slot.count = count = slot.count + 1
+        slot.work = None
+        slot.call = (count, op, args, clock())
+        try:
+            work = original(self, *args, **kwargs)
+        except BaseException:
+            slot.work = _DONE
+            raise
+        slot.work = _DONE if work is None else work  # None: nothing to wait for (coalescing)
+        return work
+
+    collective.__name__ = collective.__qualname__ = name
+    collective.__doc__ = getattr(original, "__doc__", None)
+    collective.__wrapped__ = original  # type: ignore[attr-defined]
+    return collective
+
+
+def _pending(work: Any) -> bool:
+    if work is _DONE:
+        return False
+    if work is None:
+        return True
+    try:
+        return not work.is_completed()
+    except Exception:
+        return False
+
+
+class HangWatch:
+    """The hang report of one launch: counts calls on the given groups and reports a call that
+    waited longer than ``after`` (see the module docstring). :meth:`start` and :meth:`stop`;
+    ``gpc`` owns one per launch."""
+
+    def __init__(
+        self,
+        after: timedelta,
+        rank: int,
+        store: Any,
+        groups: Sequence[tuple[Any, tuple[ParallelMode, ...], bool, tuple[int, ...]]],
+        handlers: Sequence[Callable[[HangReport], Any]],
+        log: bool = True,
+        aborter: Callable[[], int] | None = None,
+    ) -> None:
+        self.after = after.total_seconds()
+        self.tick = min(max(self.after / 4, 0.05), 1.0)
+        self.rank = rank
+        self.log = log
+        self._store = store
+        self._handlers = handlers
+        self._aborter = aborter
+        self._slots: dict[Any, _Slot] = {}
+        for group, modes, cpu, ranks in groups:
+            if group is not None and group not in self._slots and len(ranks) > 1:
+                self._slots[group] = _Slot(str(group.group_name), modes, cpu, ranks)
+        self._saved: dict[str, Callable[..., Any]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reports: list[HangReport] = []
+
+    def start(self) -> None:
+        """Wrap the collective methods and start the watching thread; returns None."""
+        pg = dist.ProcessGroup
+        for name in OPS:
+            if name not in vars(pg):
+                continue
+            # Keep the class's own attribute (pybind's instancemethod) to put back: the
+            # function getattr gives would not bind ``self`` once set on the class again.
+            self._saved[name] = vars(pg)[name]
+            wrapped = _wrap(name, getattr(pg, name), self._slots)
+            wrapped._watch = self  # type: ignore[attr-defined]
+            setattr(pg, name, wrapped)
+        self._thread = threading.Thread(target=self._run, name="parallelctx-hang-report", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Stop the thread (waiting at most ``timeout`` s) and restore the methods wrapped by
+        :meth:`start` (a method someone wrapped again since is left alone); returns None."""
+        self._stop.set()
+        pg = dist.ProcessGroup
+        for name, saved in self._saved.items():
+            current = vars(pg).get(name)
+            if getattr(current, "__wrapped__", None) is not None and getattr(current, "_watch", None) is self:
+                setattr(pg, name, saved)
+        self._saved.clear()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        posted: dict[str, Any] | None = None
+        while not self._stop.wait(self.tick):
+            try:
+                progress = self._progress()
+                if progress != posted:
+                    self._store.set(f"hang/{self.rank}", json.dumps(progress))
+                    posted = progress
+            except Exception:  # the store is gone: reports still name the call
+                posted = None
+            now = time.monotonic()
+            for slot in list(self._slots.values()):
+                call, work = slot.call, slot.work
+                if call is None or slot.reported >= call[0] or not _pending(work):
+                    continue
+                if now - call[3] >= self.after and slot.call is call:
+                    slot.reported = call[0]
+                    self._report(slot, call, now - call[3])
+
+    def _progress(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for slot in self._slots.values():
+            call = slot.call
+            if call is not None:
+                out[slot.key] = [call[0], describe_call(call[1], call[2])]
+        return out
+
+    def _peers(self, slot: _Slot) -> dict[int, tuple[int, str]] | None:
+        """Each other member's (calls entered, last call) on ``slot``'s group, from the store."""
+        out: dict[int, tuple[int, str]] = {}
+        try:
+            for r in slot.ranks:
+                if r == self.rank:
+                    continue
+                key = f"hang/{r}"
+                entry = json.loads(self._store.get(key)).get(slot.key) if self._store.check([key]) else None
+                out[r] = (int(entry[0]), str(entry[1])) if entry else (0, "")
+        except Exception:
+            return None
+        return out
+
+    def _report(self, slot: _Slot, call: tuple[int, str, tuple[Any, ...], float], waited: float) -> None:
+        count, op = call[0], call[1]
+        text = describe_call(op, call[2])
+        peers = self._peers(slot)
+        missing: list[int] = []
+        mismatched: dict[int, str] = {}
+        for r, (theirs, last) in (peers or {}).items():
+            if theirs < count:
+                missing.append(r)
+            elif theirs > count:
+                mismatched[r] = f"{last} (its call {theirs}, past this one)"
+            elif last != text:
+                mismatched[r] = last
+        report = HangReport(
+            mode=slot.modes[0],
+            modes=slot.modes,
+            cpu=slot.cpu,
+            op=op,
+            call=text,
+            count=count,
+            rank=self.rank,
+            ranks=slot.ranks,
+            missing=tuple(sorted(missing)),
+            mismatched=mismatched,
+            waited=waited,
+            progress_known=peers is not None,
+            aborter=self._aborter,
+        )
+        self.reports.append(report)
+        if self.log:
+            logger.warning("parallelctx hang report: %s", report)
+        for handler in list(self._handlers):
+            try:
+                handler(report)
+            except Exception:
+                logger.exception("parallelctx: hang report handler %r failed", handler)

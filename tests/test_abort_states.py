@@ -1,0 +1,60 @@
+"""gpc.abort() ends a pending collective in every state a group can be in, under real torchrun
+(8 ranks, tensor=2): a group whose peer never connected (gloo connects lazily), a connected
+group, a data group never used, and a launch waiting at its rendezvous; 4 cycles one after
+another in the same processes, then a relaunch proved by all-reduces (tests/torchrun_abort.py).
+Timing-dependent (which rank of a lazily connecting pair waits with no socket depends on the
+ports the kernel gave), so the lazy case runs 4 cycles and the suite runs it twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from torchrun_helpers import run_torchrun
+
+pytestmark = pytest.mark.faults
+
+
+def cycles(tmp_path: Path, states: str) -> list[dict]:
+    proc = run_torchrun(8, ["tests/torchrun_abort.py", str(tmp_path), states], timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == list(range(8)), proc.stdout[-3000:]
+    for row in rows:  # the launch after the last cycle: the all-reduces give the serial sums
+        assert row["tensor"][0] == row["tensor"][1] and row["data"][0] == row["data"][1], row
+    return rows
+
+
+def check(rows: list[dict], states: list[str]) -> float:
+    worst = 0.0
+    for row in rows:
+        assert [c["state"] for c in row["cycles"]] == states
+        for c in row["cycles"]:
+            if not c["waited"]:
+                continue
+            assert c["raised"], (row["rank"], c)  # the pending call raised ...
+            assert c["after_abort_s"] < 2.0, (row["rank"], c)  # ... within 2 s of abort()
+            if c["state"] == "launch":
+                assert c["raised"].startswith("LaunchAborted"), c
+            else:
+                assert "Connection closed" in c["raised"], c
+            worst = max(worst, c["after_abort_s"])
+    return worst
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("run", [1, 2])
+def test_abort_ends_a_collective_on_a_group_whose_peer_never_connected_4_cycles(
+    tmp_path: Path, run: int
+) -> None:
+    states = ["lazy"] * 4
+    worst = check(cycles(tmp_path, ",".join(states)), states)
+    print(f"run {run}: 4 cycles x 2 waiting ranks, raised at most {worst:.2f} s after abort()")
+
+
+@pytest.mark.timeout(600)
+def test_abort_ends_a_wait_in_every_group_state(tmp_path: Path) -> None:
+    states = ["connected", "launch", "data", "lazy"]
+    worst = check(cycles(tmp_path, ",".join(states)), states)
+    print(f"connected, launch, data, lazy: raised at most {worst:.2f} s after abort()")

@@ -1,0 +1,104 @@
+"""Run under torchrun by tests/test_hang.py: ``torchrun ... tests/torchrun_hang.py OUT SCENARIO``.
+
+Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
+
+* ``skip``: ranks 1, 5 and 7 all-reduce on the data group; rank 3 never enters it (it sleeps).
+  ``dist.hang_report.after`` is 2 s; a handler records each report and calls ``report.abort()``
+  2 s later, which ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
+  process and proves the relaunch with a data-group all-reduce against the serial sum.
+* ``mismatch``: on the tensor group {0, 1} rank 0 calls ``all_reduce`` and rank 1 ``broadcast``;
+  each is reported with the other as mismatched, then aborted and relaunched as above.
+* ``healthy``: 200 steps of all-reduces on the data, tensor and global groups and a CPU-group
+  all_gather_object, with ``after`` = 1 s: no report may come.
+
+Writes OUT/rank-<R>.json: the reports (as dicts, with the seconds from the call's entry to the
+report), what the pending call raised and when, and the relaunch's all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import parallelctx
+from parallelctx import HangReport, ParallelMode, gpc
+
+AFTER = {"skip": 2.0, "mismatch": 2.0, "healthy": 1.0}
+
+
+def main() -> int:
+    """Run SCENARIO on this rank; return 0 (the test reads the JSON file)."""
+    out, scenario = Path(sys.argv[1]), sys.argv[2]
+    rank = int(os.environ["RANK"])
+    config = {"parallel": {"tensor": 2}, "dist": {"timeout": 60, "hang_report": {"after": AFTER[scenario]}}}
+    record: dict = {"rank": rank, "reports": []}
+    entered: dict[str, float] = {}
+
+    def on_hang(report: HangReport) -> None:
+        row = {f.name: getattr(report, f.name) for f in dataclasses.fields(report) if f.name != "aborter"}
+        row["mode"] = report.mode.value
+        row["modes"] = [m.value for m in report.modes]
+        row["mismatched"] = {str(k): v for k, v in report.mismatched.items()}
+        row["after_entry_s"] = time.perf_counter() - entered.get("t", time.perf_counter())
+        record["reports"].append(row)
+        if scenario != "healthy":
+            # Abort 2 s later: every waiting rank reports first (one rank's abort may end the
+            # others' calls too; report.abort() then leaves their relaunch alone).
+            threading.Timer(2.0, report.abort).start()
+
+    gpc.on_hang(on_hang)
+    parallelctx.launch_from_torch(config)
+    data = gpc.get_group(ParallelMode.DATA)
+    if scenario == "healthy":
+        for step in range(200):
+            x = torch.full((64,), float(rank))
+            dist.all_reduce(x, group=data)
+            dist.all_reduce(x, group=gpc.get_group(ParallelMode.TENSOR))
+            dist.all_reduce(x)
+            if step % 50 == 0:
+                names: list = [None] * gpc.get_world_size(ParallelMode.DATA)
+                dist.all_gather_object(names, step, group=gpc.get_cpu_group(ParallelMode.DATA))
+        dist.barrier()
+        record["steps"] = 200
+    else:
+        stuck = rank in (1, 5, 7) if scenario == "skip" else rank in (0, 1)
+        if stuck:
+            entered["t"] = time.perf_counter()
+            try:
+                if scenario == "mismatch" and rank == 1:
+                    dist.broadcast(torch.ones(3), src=1, group=gpc.get_group(ParallelMode.TENSOR))
+                elif scenario == "mismatch":
+                    dist.all_reduce(torch.ones(4), group=gpc.get_group(ParallelMode.TENSOR))
+                else:
+                    dist.all_reduce(torch.ones(4), group=data)
+                record["raised"] = None
+            except RuntimeError as exc:
+                record["raised"] = str(exc).splitlines()[0][:200]
+            record["ended_s"] = time.perf_counter() - entered["t"]
+        elif scenario == "skip" and rank == 3:
+            time.sleep(AFTER[scenario] + 6)  # never enters the all-reduce
+        elif scenario == "skip":
+            dist.all_reduce(torch.ones(4), group=data)  # the other data group completes
+        else:
+            time.sleep(AFTER[scenario] + 6)
+        gpc.destroy()
+        parallelctx.launch_from_torch(config)
+        x = torch.tensor([float(rank + 1)])
+        dist.all_reduce(x, group=gpc.get_group(ParallelMode.DATA))
+        record["relaunch_sum"] = x.item()
+        record["relaunch_expected"] = float(sum(r + 1 for r in gpc.get_ranks_in_group(ParallelMode.DATA)))
+    gpc.destroy()
+    (out / f"rank-{rank}.json").write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
