@@ -138,17 +138,23 @@ def _error_line(error: Mapping[str, Any]) -> str:
     return f"{path}: {message}"
 
 
-def validation_error(exc: ValidationError, source: str | Path | None = None) -> ConfigValidationError:
+def validation_error(
+    exc: ValidationError, source: str | Path | None = None, section: str | None = None
+) -> ConfigValidationError:
     """Return pydantic's ``exc`` as a :class:`ConfigValidationError` (the same errors, worded
-    for a person), naming ``source`` (a file) when given; raise it ``from None``."""
-    errors = exc.errors(include_url=False) if not isinstance(exc, ConfigValidationError) else None
-    if errors is None:
+    for a person), naming ``source`` (a file) when given; ``section`` leads every key path (for
+    a section validated alone: ``"parallel"``). Raise the result ``from None``."""
+    if isinstance(exc, ConfigValidationError):
         converted = exc
     else:
+        errors = exc.errors(include_url=False)
+        if section is not None:
+            for error in errors:
+                error["loc"] = (section, *error["loc"])
         converted = ConfigValidationError.from_exception_data(exc.title, errors)  # type: ignore[arg-type]
     if source is not None:
         converted.source = str(source)
-    return converted  # type: ignore[return-value]
+    return converted
 
 
 def _near_miss_distance(a: str, b: str) -> int:
