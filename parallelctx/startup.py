@@ -101,6 +101,8 @@ class Meetings:
 
     def _settle_at_exit(self) -> None:
         thread = self._refusal
+        if thread is not None:
+            thread.join(1.0)  # told at once when the other ranks are there: no note
         if thread is None or not thread.is_alive():
             return
         sys.stderr.write(
