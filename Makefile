@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean
+.PHONY: demo test test-faults test-launchers test-installs lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -22,13 +22,17 @@ demo: $(STAMP)
 	$(BIN)/torchrun --standalone --nproc-per-node 8 -m parallelctx.cli.demo --config configs/demo_3d.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers and not faults" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults and not installs" -q
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q
 
 test-launchers: $(STAMP)
 	$(BIN)/python -m pytest -m launchers -q
+
+# every install command the library prints, run verbatim in a fresh venv per extra (several minutes)
+test-installs: $(STAMP)
+	$(BIN)/python -m pytest -m installs -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check parallelctx tests benchmarks examples
