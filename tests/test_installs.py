@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.installs
+pytestmark = [pytest.mark.installs, pytest.mark.timeout(1800)]  # a venv per test: minutes each
 
 ROOT = Path(__file__).resolve().parent.parent
 CONSTRAINTS = ROOT / "requirements" / "constraints.txt"
