@@ -102,13 +102,14 @@ class Meetings:
     def _settle_at_exit(self) -> None:
         thread = self._refusal
         if thread is not None:
-            thread.join(1.0)  # told at once when the other ranks are there: no note
+            thread.join(3.0)  # told at once when the other ranks are there: no note
         if thread is None or not thread.is_alive():
             return
-        sys.stderr.write(
-            f"parallelctx: telling the other ranks that this rank refused to launch (at most "
-            f"{REFUSAL_GRACE_S:g} s; Ctrl-C skips)\n"
-        )
+        if sys.stderr is not None and sys.stderr.isatty():  # for a person waiting at a terminal
+            sys.stderr.write(
+                f"parallelctx: telling the other ranks that this rank refused to launch (at most "
+                f"{REFUSAL_GRACE_S:g} s; Ctrl-C skips)\n"
+            )
         try:
             self.settle()
         except KeyboardInterrupt:

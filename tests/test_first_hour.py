@@ -115,9 +115,9 @@ def test_check_fails_like_plan_under_torchrun(tmp_path: Path) -> None:
     ours, theirs = _torchrun_report(proc.stderr)
     assert "parallelctx/" not in proc.stderr, proc.stderr  # no traceback through parallelctx
     message = "tensor=3 x pipeline=1 x context=1 = 3 does not divide world_size=2"
-    assert ours == [f"parallelctx check: {message}; choose sizes whose product divides the world size"] * 2, (
-        ours
-    )
+    expected = f"parallelctx check: {message}; choose sizes whose product divides the world size"
+    assert ours.count(expected) == 2, ours  # one line per rank
+    assert len(ours) <= 4, ours  # at most a note each besides (a slow background refusal)
     assert "exitcode  : 2" in proc.stderr, proc.stderr  # exit 2, as plan
     # torchrun's own report of a failed worker (its traceback and summary) is the rest
     assert len(theirs) <= 60, theirs
