@@ -90,6 +90,31 @@ def test_a_rank_alone_fails_at_once_on_what_it_can_check_alone() -> None:
     assert result["lines"] <= 8, result  # the caller's frames only: a short traceback
 
 
+RELAUNCH = """
+import json, time
+from parallelctx import gpc, launch
+from parallelctx.env import free_port
+try:
+    launch(dict(parallel=dict(tensor=3), dist=dict(timeout=2)), rank=0, world_size=2, host="127.0.0.1", port=free_port())
+except ValueError:
+    pass
+begin = time.monotonic()
+launch()  # waits for the refusal still being told (at most dist.timeout=2 s here), then works
+print(json.dumps(dict(seconds=time.monotonic() - begin, world=gpc.get_world_size("global"))), flush=True)
+gpc.destroy()
+"""
+
+
+def test_a_relaunch_after_a_refusal_works_in_the_same_process() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", RELAUNCH], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["world"] == 1, result
+    assert result["seconds"] < 60, result  # bounded by the refusal's own 2 s, not dist.timeout's default
+
+
 BAD_CONFIG = "parallel = dict(tensor=3)\n"
 
 
