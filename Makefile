@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers test-sweeps test-engines venv-engines lint bench bench-plugin venv clean
+.PHONY: demo test test-faults test-launchers test-sweeps test-engines venv-engines test-installs lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(BIN)/python -m parallelctx dry-run --world-size 16384 --rank 12345 --quiet examples/dry_run/train.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps and not engines" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps and not engines and not installs" -q
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q
@@ -51,6 +51,9 @@ $(ENGINES_STAMP): pyproject.toml requirements/constraints.txt
 
 test-engines: $(ENGINES_STAMP)
 	$(ENGINES)/bin/python -m pytest -m engines -q $(ENGINES_TESTS)
+# every install command the library prints, run verbatim in a fresh venv per extra (several minutes)
+test-installs: $(STAMP)
+	$(BIN)/python -m pytest -m installs -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check parallelctx tests benchmarks examples

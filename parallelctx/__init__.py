@@ -19,7 +19,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, ConfigValidationError, load_config
 from .env import LaunchEnv, LaunchEnvError
 from .layout import Layout, LayoutError, ParallelMode, plan
 from .mesh import MeshError
@@ -98,6 +98,7 @@ __all__ = [
     "REPLICA",
     "Config",
     "ConfigError",
+    "ConfigValidationError",
     "HangReport",
     "LaunchEnv",
     "LaunchEnvError",

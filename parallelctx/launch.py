@@ -7,15 +7,19 @@ and ``init_dist`` name one entry of that table. Single-node worker processes: :m
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from . import env as _env
-from .config import ConfigLike, to_timedelta
+from .args import LaunchArgumentError
+from .config import ConfigError, ConfigLike, to_timedelta
 from .context import ParallelContext, gpc
-from .env import free_port
+from .env import LaunchEnvError, free_port
+from .layout import LayoutError
+from .rendezvous import RendezvousError
 
 __all__ = [
     "free_port",
@@ -29,7 +33,29 @@ __all__ = [
 
 logger = logging.getLogger("parallelctx")
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
+USER_ERRORS = (ConfigError, LayoutError, LaunchArgumentError, LaunchEnvError, RendezvousError)
+"""Errors whose message says all (a bad config, layout, argument or environment, ranks that did
+not meet): raised from the launch functions without the library's own frames, so that each
+rank of a job prints a short traceback that ends in the user's call."""
+
+
+def _short_traceback(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Wrap a launch function so that :data:`USER_ERRORS` leave it with the caller's frames only."""
+
+    @functools.wraps(func)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return func(*args, **kwargs)
+        except USER_ERRORS as exc:
+            raise exc.with_traceback(None) from exc.__cause__  # the same error, its own cause kept
+
+    return wrapper
+
+
+@_short_traceback
 def launch(
     config: ConfigLike = None,
     rank: int = 0,
@@ -146,6 +172,7 @@ def _launch_named(
     return _launch_found(found, config, host, port, backend=backend, seed=seed, timeout=timeout)
 
 
+@_short_traceback
 def launch_from_torch(
     config: ConfigLike = None,
     backend: str | None = None,
@@ -165,6 +192,7 @@ def launch_from_torch(
     return _launch_named("torchrun", config, None, None, backend, seed, timeout)
 
 
+@_short_traceback
 def launch_from_slurm(
     config: ConfigLike = None,
     host: str | None = None,
@@ -191,6 +219,7 @@ def launch_from_slurm(
     return _launch_named("slurm", config, host, port, backend, seed, timeout)
 
 
+@_short_traceback
 def launch_from_openmpi(
     config: ConfigLike = None,
     host: str | None = None,
@@ -217,6 +246,7 @@ def launch_from_openmpi(
     return _launch_named("mpi", config, host, port, backend, seed, timeout)
 
 
+@_short_traceback
 def launch_from_env(
     config: ConfigLike = None,
     backend: str | None = None,
@@ -241,6 +271,7 @@ def launch_from_env(
     return _launch_found(_env.detect(), config, host, port, backend=backend, seed=seed, timeout=timeout)
 
 
+@_short_traceback
 def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> ParallelContext:
     """Launch by launcher name, any name or alias of :data:`parallelctx.env.LAUNCHERS`:
     ``"pytorch"`` / ``"torchrun"`` (:func:`launch_from_torch`), ``"slurm"``

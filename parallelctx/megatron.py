@@ -52,7 +52,7 @@ try:
 except ImportError as _exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "parallelctx.megatron needs megatron-core, which is not installed: "
-        "pip install 'parallelctx[megatron]' (megatron-core==0.16.1)"
+        "`pip install 'parallelctx[megatron]'` (megatron-core==0.16.1)"
     ) from _exc
 
 __all__ = [
@@ -190,7 +190,7 @@ def check_megatron_version() -> None:
     )
     known = set(_PRISTINE)
     missing_random = [name for name in _RANDOM_NAMES if not hasattr(_mrandom, name)]
-    fix = f"install the supported version: pip install 'parallelctx[megatron]' (megatron-core=={SUPPORTED_VERSION})"
+    fix = f"install the supported version: `pip install 'parallelctx[megatron]'` (megatron-core=={SUPPORTED_VERSION})"
     if found != known or missing_random:
         raise MegatronVersionError(
             f"megatron-core {_mcore.__version__} keeps other parallel_state globals than {SUPPORTED_VERSION}: "

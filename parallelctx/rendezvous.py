@@ -154,9 +154,20 @@ def _probe(host: str, port: int) -> bool | None:
 def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any:
     host, port = _address(url)
     if url.startswith("tcp://") and host and port:
-        # rank 0 serves without waiting for the clients: exchange() waits, and names who is missing
+        # rank 0 serves without waiting for the clients: exchange() waits, and names who is missing.
+        # Under torchrun the agent already serves a store at MASTER_PORT: rank 0 is a client of it
+        # there (as torch's env:// does), instead of a server whose bind fails and is logged.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get(
+            "MASTER_PORT"
+        ) == str(port)
         return dist.TCPStore(
-            host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False, multi_tenant=True
+            host,
+            port,
+            world_size,
+            rank == 0 and not agent,
+            timeout=timeout,
+            wait_for_workers=False,
+            multi_tenant=True,
         )
     store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
     return store

@@ -9,8 +9,10 @@ launch's key prefix, and the names of the groups made on an adopted default grou
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -24,10 +26,10 @@ import torch.distributed as dist
 
 from .abort import AbortableStore, LaunchAborted, listening
 from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
-from .config import DEFAULT_TIMEOUT, Config, check_init_method_env
+from .config import DEFAULT_TIMEOUT, Config, ConfigError, check_init_method_env
 from .groups import ModeGroup, Sockets, create_groups
-from .layout import Layout, ParallelMode
-from .rendezvous import Arrival, RendezvousError, agree_launch, connect_store, exchange
+from .layout import Layout, LayoutError, ParallelMode
+from .rendezvous import Arrival, agree_launch, connect_store, exchange, rank_list
 
 if TYPE_CHECKING:
     from .context import ParallelContext
@@ -50,6 +52,11 @@ logger = logging.getLogger("parallelctx")
 CPU_BACKENDS = frozenset({"gloo", "mpi", "fake"})
 """Backends whose groups also serve as the CPU groups (no gloo twin is made)."""
 
+REFUSAL_GRACE_S = 15.0
+"""How long (at most; never longer than ``dist.timeout``) a rank whose own checks failed keeps
+telling the other ranks so, in the background, after it has raised its error: a relaunch in the
+same process and the process's exit wait for that, never the error itself."""
+
 
 class Meetings:
     """Where launches meet, kept by the context across ``destroy()`` so that a relaunch works:
@@ -67,6 +74,51 @@ class Meetings:
         self.aborted = threading.Event()
         self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
         self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
+        self._refusal: threading.Thread | None = None
+        self._exit_hook = False
+
+    def announce_refusal(self, args: LaunchArgs, timeout: timedelta, arrival: Arrival) -> None:
+        """Tell the other ranks, in a background thread, that this rank refused to launch
+        (``arrival.error``), so that they stop at once instead of waiting for it; returns at
+        once. The telling lasts at most ``min(timeout, REFUSAL_GRACE_S)``; the next launch in
+        this process and the process's exit wait for it (within that bound)."""
+        self.settle()
+        if args.world_size == 1 or dist.is_initialized():
+            return
+        grace = timedelta(seconds=min(timeout.total_seconds(), REFUSAL_GRACE_S))
+        self._refusal = threading.Thread(
+            target=_announce_refusal,
+            args=(self, args, timeout, time.monotonic() + grace.total_seconds(), arrival),
+            name="parallelctx-refusal",
+            daemon=True,
+        )
+        self._refusal.start()
+        if not self._exit_hook:
+            atexit.register(self._settle_at_exit)
+            self._exit_hook = True
+
+    def settle(self) -> None:
+        """Wait until this process's last refusal has been told (bounded: see
+        :meth:`announce_refusal`); returns None."""
+        thread, self._refusal = self._refusal, None
+        if thread is not None:
+            thread.join(REFUSAL_GRACE_S + 5.0)
+
+    def _settle_at_exit(self) -> None:
+        thread = self._refusal
+        if thread is not None:
+            thread.join(3.0)  # told at once when the other ranks are there: no note
+        if thread is None or not thread.is_alive():
+            return
+        if sys.stderr is not None and sys.stderr.isatty():  # for a person waiting at a terminal
+            sys.stderr.write(
+                f"parallelctx: telling the other ranks that this rank refused to launch (at most "
+                f"{REFUSAL_GRACE_S:g} s; Ctrl-C skips)\n"
+            )
+        try:
+            self.settle()
+        except KeyboardInterrupt:
+            pass
 
     def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
         """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
@@ -160,10 +212,12 @@ def launch(
         raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
     if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
         return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
+    ctx._meetings.settle()  # an earlier refusal of this process, still being told
     ctx._meetings.aborted.clear()  # an abort() from now on stops this launch
-    # Local checks first. A rank whose checks fail but that can still reach the others (its
-    # rank, world size and address are valid) tells them at the rendezvous, so that every
-    # rank stops at once instead of waiting for it until the timeout.
+    # Local checks first, before any waiting. A rank whose checks fail raises at once; when it
+    # can still reach the others (its rank, world size and address are valid) it tells them at
+    # the rendezvous in the background, so that every rank stops at once instead of waiting
+    # for it until the timeout.
     refused: BaseException | None = None
     cfg: Config | None = None
     try:
@@ -198,17 +252,21 @@ def launch(
     wait = args.timeout or (cfg.dist.timeout if cfg is not None else DEFAULT_TIMEOUT)
     use_seed = args.seed if args.seed is not None else (cfg.seed if cfg is not None else None)
     if refused is not None or cfg is None or layout is None:
-        refused = refused or RuntimeError("the config did not load")
-        arrival = Arrival(args.rank, socket.gethostname(), error=f"{type(refused).__name__}: {refused}")
-    else:
-        values = agreed_values(cfg, layout, args.world_size, args.backend, wait, use_seed)
-        arrival = Arrival(args.rank, socket.gethostname(), values)
+        # (cfg and layout are None only when a check failed, so refused is set)
+        refused = refused or RuntimeError("parallelctx: the launch checks failed without a cause")
+        ctx._meetings.announce_refusal(
+            args, wait, Arrival(args.rank, socket.gethostname(), error=f"{type(refused).__name__}: {refused}")
+        )
+        ctx.destroy()
+        if isinstance(refused, (ConfigError, LayoutError, LaunchArgumentError)):
+            # the message is the whole story: no frames of the library's own checks
+            refused = refused.with_traceback(None)
+        raise refused
+    values = agreed_values(cfg, layout, args.world_size, args.backend, wait, use_seed)
+    arrival = Arrival(args.rank, socket.gethostname(), values)
     try:
         ctx._local_rank = args.local_rank
         check_init_method_env(args.init_method)
-        if cfg is None or layout is None:
-            _announce_refusal(ctx._meetings, args, wait, arrival)
-            raise refused or RuntimeError("the config did not load")
         ctx.init_global_dist(
             args.rank,
             args.world_size,
@@ -300,22 +358,29 @@ def _reachable_args(
     raise refused
 
 
-def _announce_refusal(meetings: Meetings, args: LaunchArgs, timeout: timedelta, arrival: Arrival) -> None:
-    """Post this rank's failed checks at the rendezvous so that every other rank stops at
-    once; a rendezvous that fails too is only logged (the caller raises the first cause)."""
-    if args.world_size == 1 or dist.is_initialized():
-        return
+def _announce_refusal(
+    meetings: Meetings, args: LaunchArgs, timeout: timedelta, deadline: float, arrival: Arrival
+) -> None:
+    """Post this rank's failed checks at the rendezvous, by ``deadline``, so that every other
+    rank stops at once; a rendezvous that fails too is only logged (the caller has raised the
+    cause). Runs in :meth:`Meetings.announce_refusal`'s thread."""
     url = _url(args.init_method, args.host, args.port)
+    begin = time.monotonic()
     try:
-        store = meetings.store(
-            url, args.rank, args.world_size, timeout, time.monotonic() + timeout.total_seconds()
-        )
-        exchange(store, arrival, args.world_size, timeout, _shown_url(url))
-    except (RendezvousError, RuntimeError) as exc:
+        store = meetings.store(url, args.rank, args.world_size, timeout, deadline)
+        exchange(store, arrival, args.world_size, timeout, _shown_url(url), deadline)
+    except Exception as exc:
+        ranks = getattr(exc, "ranks", ())
+        if ranks:
+            why = f"rank{'s' if len(ranks) > 1 else ''} {rank_list(ranks)} did not come to {_shown_url(url)}"
+        else:
+            why = str(exc).split(";", 1)[0]
         logger.warning(
-            "parallelctx: could not tell the other ranks that rank %d refused to launch: %s",
+            "parallelctx: rank %d refused to launch and could not tell the other ranks within %.0f s "
+            "(%s); they stop at their own dist.timeout, or when the launcher stops them",
             args.rank,
-            exc,
+            time.monotonic() - begin,
+            why,
         )
 
 

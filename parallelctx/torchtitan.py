@@ -50,6 +50,9 @@ M = ParallelMode
 
 SPMD_BACKENDS = ("spmd_types", "full_dtensor", "partial_dtensor")
 
+INSTALL_HINT = "pip install 'parallelctx[torchtitan]' && pip install --no-deps torchtitan==0.3.0"
+"""The shell command the missing-torchtitan error gives (tests/test_installs.py runs it verbatim)."""
+
 
 class TorchtitanError(RuntimeError):
     """torchtitan is missing, or gpc's layout is one torchtitan's ParallelDims cannot describe."""
@@ -61,9 +64,8 @@ def _parallel_dims_class() -> type:
         from torchtitan.distributed.parallel_dims import ParallelDims
     except ImportError as exc:
         raise TorchtitanError(
-            f"parallelctx.torchtitan needs torchtitan ({exc}); install the extra: "
-            "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro einops "
-            "(see `make venv` and docs/torchtitan.md)"
+            f"parallelctx.torchtitan needs torchtitan ({exc}); install the extra, then torchtitan "
+            f"without its own requirements (datasets, wandb...): `{INSTALL_HINT}` (docs/torchtitan.md)"
         ) from None
     return ParallelDims
 

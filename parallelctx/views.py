@@ -8,13 +8,13 @@ context's clear error; :class:`Unlaunched` stands in for a view before launch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from .layout import LayoutError, ParallelMode
 
-__all__ = ["LAUNCH_HINT", "VIEW_NAMES", "ModeTable", "ModeView", "NotLaunchedError", "Unlaunched"]
+__all__ = ["LAUNCH_HINT", "VIEW_NAMES", "ModeTable", "ModeView", "NotLaunchedError", "Ranks", "Unlaunched"]
 
 LAUNCH_HINT = (
     "call parallelctx.launch_from_torch(config) (or launch, launch_from_env, launch_from_slurm, "
@@ -31,13 +31,70 @@ class NotLaunchedError(RuntimeError):
     """A query was made before the context was launched, or after ``destroy()``."""
 
 
+class Ranks(Sequence[int]):
+    """The ascending global ranks of a group (``gpc.tensor.ranks``): a read-only sequence that
+    compares equal to any list, tuple or range of the same ranks (``gpc.tensor.ranks == [0, 1]``,
+    ``== gpc.get_ranks_in_group("tensor")``). It keeps the members as given (a ``range`` for
+    evenly spaced ones), so neither its memory nor ``index`` grows with the world; ``list(r)``
+    gives a plain list."""
+
+    __slots__ = ("_members",)
+
+    def __init__(self, members: Sequence[int]) -> None:
+        self._members = members
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        return self._members[index]
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._members)
+
+    def __contains__(self, rank: object) -> bool:
+        return rank in self._members
+
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
+        """The position of global rank ``value`` in the group (its local rank); raises
+        ValueError when it is not a member."""
+        position = self._members.index(value)
+        if position < start or (stop is not None and position >= stop):
+            raise ValueError(f"{value} is not in ranks[{start}:{stop}]")
+        return position
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Ranks):
+            other = other._members
+        if not isinstance(other, (list, tuple, range)):
+            return NotImplemented
+        if len(other) != len(self._members):
+            return False
+        if isinstance(other, range) and isinstance(self._members, range):
+            return other == self._members
+        return all(a == b for a, b in zip(self._members, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._members))
+
+    def __repr__(self) -> str:
+        members = self._members
+        if isinstance(members, range) and len(members) > 16:
+            return f"Ranks({members!r})"
+        return f"Ranks({list(members)!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class ModeView:
     """This rank's place in one mode, e.g. ``gpc.tensor``.
 
     ``rank`` is the local rank in the mode, ``size`` the group size, ``ranks`` the ascending
-    global ranks of the group, ``group``/``cpu_group`` the process groups (a one-rank group of
-    this rank for a mode of size 1, never None),
+    global ranks of the group (a :class:`Ranks`, equal to the list of them), ``group``/``cpu_group``
+    the process groups (a one-rank group of this rank for a mode of size 1, never None),
     ``next_rank``/``prev_rank`` the global ranks after and before this one in ring order.
     """
 
@@ -49,6 +106,10 @@ class ModeView:
     cpu_group: Any
     next_rank: int
     prev_rank: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ranks, Ranks):
+            object.__setattr__(self, "ranks", Ranks(self.ranks))
 
     @property
     def is_first(self) -> bool:

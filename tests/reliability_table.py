@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from parallelctx import Config, plan
+from parallelctx import Config, ConfigError, plan
 from parallelctx.args import validate_launch_args
 from parallelctx.config import check_init_method_env
 from parallelctx.env import detect
@@ -81,6 +81,8 @@ CASES: list[tuple[str, str, Callable[[], Any]]] = [
     ),
     ("typo", "`parallel={'tensr': 2}`", lambda: Config({"parallel": {"tensr": 2}})),
     ("typo", "`dist={'timout': 60}`", lambda: Config({"dist": {"timout": 60}})),
+    ("typo", "`paralel={'tensor': 2}` (a section)", lambda: Config({"paralel": {"tensor": 2}})),
+    ("typo", "`Seed=1`", lambda: Config({"Seed": 1})),
     ("type", "`parallel.tensor={'size': True}`", lambda: Config({"parallel": {"tensor": {"size": True}}})),
     ("type", "`parallel.tensor='2'`", lambda: Config({"parallel": {"tensor": "2"}})),
     ("type", "`parallel.tensor={'size': '2'}`", lambda: Config({"parallel": {"tensor": {"size": "2"}}})),
@@ -150,7 +152,7 @@ ACCEPTED: list[tuple[str, str, Callable[[], Any]]] = [
 
 def _message(exc: BaseException) -> str:
     """The one-line message a user reads; for pydantic, the location and the message."""
-    if isinstance(exc, ValidationError):
+    if isinstance(exc, ValidationError) and not isinstance(exc, ConfigError):
         err = exc.errors()[0]
         where = ".".join(str(part) for part in err["loc"])
         text = re.sub(r"^Value error, ", "", err["msg"])

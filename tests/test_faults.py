@@ -110,6 +110,23 @@ def test_bad_seed_on_one_rank_stops_every_rank_at_once() -> None:
     record(2, "`seed=-1` on rank 1 of 2", good["seconds"], first_line(good))
 
 
+def test_a_rank_that_fails_its_own_checks_raises_at_once_and_still_stops_the_others() -> None:
+    # issue 27: the refusing rank raises before any waiting and tells the others in the
+    # background; 10 runs, the refusing rank alternating (rank 0 serves the store).
+    for cycle in range(10):
+        bad_rank = cycle % 2
+        port = free_port()
+        configs = [{"parallel": {"tensor": 3}} if r == bad_rank else {} for r in range(2)]
+        procs = [start(r, 2, port, configs[r]) for r in range(2)]
+        results = [result(p) for p in procs]
+        bad, good = results[bad_rank], results[1 - bad_rank]
+        assert bad["type"] == "LayoutError" and "does not divide world_size=2" in bad["error"], bad
+        assert bad["seconds"] < 2, bad  # no rendezvous before the error
+        assert good["type"] == "RendezvousError", (cycle, good)
+        assert f"rank {bad_rank}" in good["error"] and "does not divide" in good["error"], good
+        assert good["seconds"] < TIMEOUT, (cycle, good)  # stopped by the refusal, not the timeout
+
+
 def test_a_rank_that_never_starts_is_named() -> None:
     port = free_port()
     procs = [start(0, 3, port), start(1, 3, port)]  # rank 2 never starts

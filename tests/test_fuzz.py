@@ -29,7 +29,7 @@ from pydantic import ValidationError
 
 from parallelctx import Config, ConfigError, LayoutError, plan
 from parallelctx.args import LaunchArgumentError, validate_launch_args
-from parallelctx.config import validate_init_method
+from parallelctx.config import near_miss_section, validate_init_method
 from parallelctx.env import LaunchEnvError, detect
 from parallelctx.hostlist import HostlistError, count_hostlist, expand_hostlist, first_host
 from parallelctx.limits import MAX_SEED, MAX_TIMEOUT_SECONDS, MAX_WORLD_SIZE, MIN_TIMEOUT_SECONDS
@@ -162,6 +162,11 @@ configs = st.fixed_dictionaries(
         "model": st.one_of(values, st.dictionaries(keys, values, max_size=4)),
         "items": values,
     },
+).flatmap(
+    # a top-level typo of an owned section beside them (issue 27): never accepted
+    lambda d: st.dictionaries(
+        st.sampled_from(["paralel", "Parallel", "dsit", "sed", "data", "seq"]), values, max_size=1
+    ).map(lambda extra: {**extra, **d})
 )
 
 CONFIG_ERRORS = (ConfigError, ValidationError)
@@ -201,6 +206,9 @@ def _check_accepted_config(data: dict, cfg: Config) -> None:
         assert validate_init_method(dist["init_method"]) == dist["init_method"]
     if "gloo_lazy_init" in dist:
         assert isinstance(dist["gloo_lazy_init"], bool)
+    for key in data:
+        assert near_miss_section(key) is None, key
+        assert key not in ("paralel", "Parallel", "dsit", "sed"), key
     for key, value in data.items():
         if key not in ("parallel", "dist", "seed"):
             assert cfg[key] == value or isinstance(value, dict)
@@ -226,6 +234,56 @@ def test_fuzz_config_dicts(data: dict) -> None:
 @given(configs)
 def test_fuzz_config_dicts_heavy(data: dict) -> None:
     _config_property(data)
+
+
+# --------------------------------------------------------------------------- near-miss sections
+OWNED = ("parallel", "dist", "seed")
+TYPED = string.ascii_lowercase + string.digits + "_-"
+
+
+def _case_changes(name: str) -> set[str]:
+    """Every upper/lower spelling of ``name`` but the name itself."""
+    out = {""}
+    for char in name:
+        out = {head + c for head in out for c in {char.lower(), char.upper()}}
+    return out - {name}
+
+
+def near_misses(name: str) -> set[str]:
+    """Every one-letter deletion, insertion (of a letter, digit, ``_`` or ``-``) and swap of two
+    neighbours of ``name``, and every case change, in lower case and capitalised."""
+    found: set[str] = set()
+    for i in range(len(name)):
+        found.add(name[:i] + name[i + 1 :])
+    for i in range(len(name) + 1):
+        found.update(name[:i] + c + name[i:] for c in TYPED)
+    for i in range(len(name) - 1):
+        found.add(name[:i] + name[i + 1] + name[i] + name[i + 2 :])
+    found |= {m.capitalize() for m in found} | _case_changes(name)
+    return found - set(OWNED)
+
+
+@pytest.mark.parametrize("owned", OWNED)
+def test_near_miss_sections_are_never_accepted(owned: str) -> None:
+    misses = near_misses(owned)
+    assert len(misses) > 100
+    accepted = []
+    for name in sorted(misses):
+        try:
+            Config({name: {"tensor": 2} if owned == "parallel" else 1})
+        except ConfigError as exc:
+            assert f"did you mean {owned!r}?" in str(exc), (name, str(exc))
+            assert not isinstance(exc, ValidationError)
+        else:
+            accepted.append(name)
+    assert not accepted, f"near misses of {owned!r} accepted: {accepted}"
+
+
+def test_sections_of_the_users_own_stay_allowed() -> None:
+    names = ["model", "data", "optimizer", "train", "test", "set", "seq", "need", "feed", "disk", "list"]
+    names += ["distributed", "parallelism", "trainer", "scheduler", "logging", "eval", "tokenizer", "lr"]
+    cfg = Config({name: {"x": 1} for name in names})
+    assert all(cfg[name].x == 1 for name in names)
 
 
 # --------------------------------------------------------------------------- config files

@@ -267,7 +267,7 @@ def test_no_world_size():
     assert time.monotonic() - begin < 20, "no pool is started for a bad marker"
     result.stdout.fnmatch_lines_random(
         [
-            "*got unknown arguments [[]'tensr'[]]; valid: world_size, tensor, *",
+            "*got unknown argument [[]'tensr'[]]; did you mean 'tensor'? valid: world_size, tensor, *",
             "*world_size=4*tensor=3*",
             "*needs world_size=<ranks>, a positive int; got None*",
         ]

@@ -106,7 +106,10 @@ def test_missing_torchtitan_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
     from parallelctx import torchtitan
 
     monkeypatch.setitem(sys.modules, "torchtitan.distributed.parallel_dims", None)
-    with pytest.raises(TorchtitanError, match=r"pip install --no-deps torchtitan==0.3.0"):
+    with pytest.raises(
+        TorchtitanError,
+        match=r"`pip install 'parallelctx\[torchtitan\]' && pip install --no-deps torchtitan==0.3.0`",
+    ):
         torchtitan._parallel_dims_class()
 
 

@@ -239,13 +239,16 @@ def _progress(rank: int, quiet: bool) -> Callable[[str], None] | None:
 
 def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | None = None) -> int:
     """Run the check in this process (one rank of the job) and return its exit code: 0 when
-    every check passed, 1 on every rank when any failed, 2 for bad options.
+    every check passed, 1 on every rank when any failed, 2 for bad options or a launch that
+    failed (a bad config or layout, on this rank or another; ranks that never came): the
+    message on stderr, no traceback, as ``plan`` does.
 
     ``prepare`` is called with ``gpc`` after launch and before the checks (the tests use it to
     tamper with a group and see the check fail).
 
     Raises:
-        Anything :func:`parallelctx.launch_from_env` raises.
+        What :func:`parallelctx.launch_from_env` raises besides ValueError and RendezvousError
+        (e.g. LaunchEnvError for a batch shell without srun).
     """
     try:
         sizes = parse_sizes(args.sizes)
@@ -256,8 +259,13 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
         return 2
     from ..context import gpc
     from ..launch import launch_from_env
+    from ..rendezvous import RendezvousError
 
-    launch_from_env(args.config)
+    try:
+        launch_from_env(args.config)
+    except (ValueError, RendezvousError) as exc:  # a bad config or layout, here or on another rank
+        print(f"parallelctx check: {exc}", file=sys.stderr, flush=True)
+        return 2
     try:
         if prepare is not None:
             prepare(gpc)

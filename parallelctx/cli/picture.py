@@ -48,7 +48,7 @@ def _pyplot() -> Any:
     except ImportError:
         raise PictureError(
             "drawing the layout needs matplotlib, which is not installed: "
-            "pip install 'parallelctx[plot]' (or pip install 'matplotlib>=3.8')"
+            "`pip install 'parallelctx[plot]'` (or `pip install 'matplotlib>=3.8'`)"
         ) from None
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

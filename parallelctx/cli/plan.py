@@ -7,7 +7,9 @@ import json
 import sys
 from typing import IO, Any
 
-from ..config import ParallelConfig, load_config
+from pydantic import ValidationError
+
+from ..config import ParallelConfig, load_config, validation_error
 from ..layout import DEFAULT_ORDER, Layout, LayoutError
 from .placement import ModeSpan, PlacementWarning, node_ids, node_spans, placement_warnings
 
@@ -44,16 +46,19 @@ def _parallel(args: argparse.Namespace) -> ParallelConfig:
         value = getattr(args, key, None)
         if value is not None:
             data = {**(data or {}), key: value}
-    return ParallelConfig.model_validate(
-        {
-            "tensor": sizes["tensor"],
-            "pipeline": sizes["pipeline"],
-            "context": sizes["context"],
-            "expert": {"size": sizes["expert"], "tensor": sizes["expert_tensor"]},
-            "order": sizes["order"],
-            "data": data,
-        }
-    )
+    try:
+        return ParallelConfig.model_validate(
+            {
+                "tensor": sizes["tensor"],
+                "pipeline": sizes["pipeline"],
+                "context": sizes["context"],
+                "expert": {"size": sizes["expert"], "tensor": sizes["expert_tensor"]},
+                "order": sizes["order"],
+                "data": data,
+            }
+        )
+    except ValidationError as exc:  # the message alone, not pydantic's wrapper
+        raise validation_error(exc, section="parallel") from None
 
 
 def _world_size(args: argparse.Namespace) -> int:

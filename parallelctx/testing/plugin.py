@@ -94,6 +94,18 @@ def _read_config(config: Any, test_file: Path) -> dict[str, Any]:
     raise MarkerError(f"config={config!r} must be a dict, a Config or a config file path")
 
 
+def _suggest(unknown: list[Any]) -> str:
+    """``did you mean 'tensor'? `` for the unknown marker arguments that misspell a valid one."""
+    import difflib
+
+    guesses = []
+    for key in unknown:
+        found = difflib.get_close_matches(str(key).lower(), MARKER_KEYS, n=1, cutoff=0.6)
+        if found:
+            guesses.append(f"{found[0]!r} for {key!r}" if len(unknown) > 1 else repr(found[0]))
+    return f"did you mean {', '.join(guesses)}? " if guesses else ""
+
+
 def _set_size(parallel: dict[str, Any], key: str, value: Any, field: str = "size") -> None:
     current = parallel.get(key)
     if isinstance(current, Mapping):
@@ -132,10 +144,11 @@ def resolve_marker(
                 f"@pytest.mark.parallel takes world_size as its only positional argument, got {args}"
             )
         merged["world_size"] = args[0]
-    unknown = sorted(set(merged) - set(MARKER_KEYS))
+    unknown = sorted(set(merged) - set(MARKER_KEYS), key=str)
     if unknown:
         raise MarkerError(
-            f"@pytest.mark.parallel got unknown arguments {unknown}; valid: {', '.join(MARKER_KEYS)}"
+            f"@pytest.mark.parallel got unknown argument{'s' if len(unknown) > 1 else ''} {unknown}; "
+            f"{_suggest(unknown)}valid: {', '.join(MARKER_KEYS)}"
         )
     merged.pop("layouts", None)
     merged.pop("simulate", None)  # read by simulated_ranks
@@ -144,7 +157,8 @@ def resolve_marker(
         bad = sorted(set(layout) - {"world_size", *PARALLEL_KEYS})
         if bad:
             raise MarkerError(
-                f"a layouts= entry has keys {bad}; each entry takes world_size and {', '.join(PARALLEL_KEYS)}"
+                f"a layouts= entry has keys {bad}; {_suggest(bad)}each entry takes world_size and "
+                f"{', '.join(PARALLEL_KEYS)}"
             )
         merged.update(layout)
     world_size = merged.get("world_size")
