@@ -5,8 +5,9 @@ rank (the rank's zygote, which never runs user code) and talks to each over a lo
 Each zygote forks a session process that starts a pytest session like the controller's,
 collects, and runs test after test, keeping session- and module-scoped fixtures, as a
 pytest-xdist worker does (:mod:`parallelctx.testing.worker`, :mod:`parallelctx.testing.rank`);
-the ranks' collections are compared before the first test. After a test that did not pass on
-every rank, all the session processes end and the next test gets new ones. Rank 0's session
+the ranks' collections are compared before the first test. After a test that hung or whose
+session process died on some rank, all the session processes end and the next test gets new
+ones. Rank 0's session
 process serves the rendezvous store on a port the OS picks, which the controller passes on to
 the other ranks: pools never collide on a port. Each rank's stdout and stderr go to files in
 the pool's folder, so the output of one test is what was appended while it ran; SIGUSR1 makes
@@ -160,6 +161,8 @@ class Pool:
         self.sessions_started = 0
         #: A zygote's warning that forking it may be unsafe (empty when it is not).
         self.warning = ""
+        #: Whether the next test must launch gpc anew (the last one did not pass everywhere).
+        self.relaunch = False
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._conns: dict[int, Connection] = {}
         self.pids: dict[int, int] = {}
@@ -318,9 +321,11 @@ class Pool:
         Waits at most ``timeout`` seconds for all ranks; once a rank has failed, skipped or died
         the others get :data:`FAILURE_GRACE_S` more. Ranks still running then are hung: their
         stacks are dumped and collected, and their session processes killed. When every rank
-        passed, the session processes stay for the next test (with their fixtures); otherwise
-        they all end (the ones that passed tear their fixtures down) and the next test gets new
-        ones, forked from the zygotes: the pool stays usable unless a zygote is gone
+        answered (passed, failed or skipped), the session processes stay for the next test,
+        with their fixtures (after a failure or a skip the next test launches ``gpc`` anew);
+        when a rank hung or its session process died they all end (the others tear their
+        fixtures down) and the next test gets new ones, forked from the zygotes: the pool stays
+        usable unless a zygote is gone
         (:attr:`RunOutcome.reusable`; the caller must :meth:`kill` the pool otherwise).
 
         Returns:
@@ -341,7 +346,7 @@ class Pool:
             for r in range(self.world_size)
         }
         begin = time.monotonic()
-        message_out = ("run", {**spec, "port": self.port})
+        message_out = ("run", {**spec, "port": self.port, "relaunch": self.relaunch})
         for rank, conn in self._conns.items():
             try:
                 conn.send(message_out)
@@ -396,14 +401,10 @@ class Pool:
         outcome.hung = sorted(pending())
         if outcome.hung:
             outcome.stacks = self._dump_stacks({r: self.session_pids.get(r) for r in outcome.hung})
-        all_passed = (
-            not outcome.hung
-            and not outcome.dead
-            and len(outcome.results) == self.world_size
-            and all(res["outcome"] == "passed" for res in outcome.results.values())
-        )
-        if not all_passed:
+        if outcome.hung or outcome.dead or exited or len(outcome.results) < self.world_size:
             self.end_session(exited, broken, kill=set(outcome.hung))
+        # after a failure or a skip somewhere, every rank launches gpc anew for the next test
+        self.relaunch = any(res["outcome"] != "passed" for res in outcome.results.values())
         outcome.broken = sorted(broken)
         outcome.elapsed = time.monotonic() - begin
         for rank, (out_at, err_at) in offsets.items():

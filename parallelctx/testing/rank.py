@@ -151,7 +151,7 @@ class RankPlugin:
         lazy = bool(self.spec.get("lazy_default_group", False)) and "TORCH_GLOO_LAZY_INIT" not in os.environ
         key = (self.spec["config"], lazy)
         if gpc.is_initialized(ParallelMode.GLOBAL):
-            if self.launched == key:
+            if self.launched == key and not self.spec.get("relaunch"):
                 gpc.set_seed()
                 return
             gpc.destroy()
@@ -446,6 +446,18 @@ def _forget_gpc() -> None:
         gpc.destroy()
 
 
+def _drop_gpc(plugin: RankPlugin) -> None:
+    """Destroy ``gpc`` after a test that did not pass here; the next test launches anew."""
+    from ..context import ParallelMode, gpc
+
+    plugin.launched = None
+    try:
+        if gpc.is_initialized(ParallelMode.GLOBAL):
+            gpc.destroy()
+    except BaseException:
+        traceback.print_exc()
+
+
 def _end(session: Any, cov: Any) -> None:
     """Tear down the fixtures still set up (session-, module-scoped), destroy ``gpc`` and save
     coverage."""
@@ -471,9 +483,10 @@ def run_session(
 ) -> None:
     """The rank's session process: start coverage and a pytest session like the controller's,
     collect, say ``ready`` (with the collected node ids and parameters, for the controller to
-    compare across ranks), then run each ``("run", spec)`` until ``("end",)``, the controller
-    going away, or a test that did not pass here (the process then ends, so that its peers'
-    collectives end too). Returns None; the caller exits the process."""
+    compare across ranks), then run each ``("run", spec)`` until ``("end",)`` or the controller
+    going away. After a test that did not pass here, ``gpc`` is destroyed at once (its
+    connections close, so peers waiting for this rank in a collective end too). Returns None;
+    the caller exits the process."""
     cov = _start_coverage(setup.get("coverage"))
     plugin = RankPlugin(rank, world_size)
     session = None
@@ -519,10 +532,10 @@ def run_session(
             result = _run_one(session, items, plugin, spec, int(spec["port"]))
         except BaseException:
             result = _failed(rank, f"rank {rank}: the pool failed to run the test", traceback.format_exc())
+        if result["outcome"] != "passed":
+            _drop_gpc(plugin)  # closes its connections: peers waiting in a collective end too
         sys.stdout.flush()
         sys.stderr.flush()
         conn.send(("result", result))
-        if result["outcome"] != "passed":
-            break
     del store
     _end(session, cov)
