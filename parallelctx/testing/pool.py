@@ -179,7 +179,8 @@ class Pool:
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The environment a rank gets from the controller's ``base``: launcher variables
-        dropped, PYTHONHASHSEED fixed (the controller's, else 0), one OpenMP thread unless set, no GPU on a CPU pool (on a GPU pool, CUDA
+        dropped, PYTHONHASHSEED fixed (the controller's, else 0), one OpenMP thread that sleeps when idle
+        unless set, no GPU on a CPU pool (on a GPU pool, CUDA
         availability asked of NVML), and this package importable.
 
         Returns:
@@ -194,6 +195,9 @@ class Pool:
         # every rank iterates sets and dicts of str alike, so parametrize values agree
         env["PYTHONHASHSEED"] = base.get("PYTHONHASHSEED") or "0"
         env.setdefault("OMP_NUM_THREADS", "1")
+        # N ranks share the cores: OpenMP threads that spin after each parallel region (libgomp's
+        # default) steal them from the peers (a conftest's set_num_threads(2) made tests 2-4x slower)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if self.devices == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
