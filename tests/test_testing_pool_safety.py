@@ -189,3 +189,75 @@ def test_next_test_runs():
         ]
     )
     assert "+ Timeout +" not in result.stdout.str(), "pytest-timeout did not fire inside the pool"
+
+
+def test_module_fixtures_follow_pytest_scopes_across_a_test_the_controller_skips(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(
+        """
+import os, pytest
+
+@pytest.fixture(scope="module")
+def per_module(request):
+    with open("module-events.txt", "a") as f:
+        f.write(f"setup {request.module.__name__} {os.getpid()}\\n")
+    yield
+    with open("module-events.txt", "a") as f:
+        f.write(f"teardown {request.module.__name__} {os.getpid()}\\n")
+"""
+    )
+    pytester.makepyfile(
+        test_m1="""
+import pytest
+
+@pytest.mark.parallel(world_size=2)
+def test_one(per_module):
+    pass
+
+@pytest.mark.skipif(True, reason="skipped by the controller")
+@pytest.mark.parallel(world_size=2)
+def test_two(per_module):
+    pass
+""",
+        test_m2="""
+import pytest
+
+@pytest.mark.parallel(world_size=2)
+def test_three(per_module):
+    pass
+
+@pytest.mark.parallel(world_size=2)
+def test_four(per_module):
+    pass
+""",
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=300)
+    result.assert_outcomes(passed=3, skipped=1)
+    events = (pytester.path / "module-events.txt").read_text().split("\n")
+    by_pid: dict[str, list[str]] = {}
+    for line in filter(None, events):
+        what, module, pid = line.split()
+        by_pid.setdefault(pid, []).append(f"{what} {module}")
+    # two ranks, each: one set-up and one teardown per module, in pytest's order
+    assert (
+        sorted(by_pid.values())
+        == [["setup test_m1", "teardown test_m1", "setup test_m2", "teardown test_m2"]] * 2
+    )
+
+
+def test_ini_parallel_timeout_is_the_default_with_pytest_timeout_installed(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("pytest_timeout")
+    pytester.makepyfile(
+        test_hang="""
+import time
+import pytest
+
+@pytest.mark.parallel(world_size=2)
+def test_hangs():
+    time.sleep(600)
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-o", "parallel_timeout=4", timeout=300)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["timed out after 4 s: ranks 0, 1 of 2 did not finish*"])

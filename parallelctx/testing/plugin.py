@@ -358,9 +358,8 @@ def _pytest_timeout_of(item: pytest.Item) -> float | None:
 def _default_timeout(item: pytest.Item) -> float:
     """A parallel test's timeout when its marker has no ``timeout=``: pytest-timeout's (marker,
     then ``--timeout``), else the ini ``parallel_timeout``."""
-    found = item.stash.get(_USER_TIMEOUT, None)
-    if found is None:
-        found = _pytest_timeout_of(item)
+    # noted before the plugin gave pytest-timeout its own marker (see modifyitems)
+    found = item.stash[_USER_TIMEOUT] if _USER_TIMEOUT in item.stash else _pytest_timeout_of(item)
     return found if found is not None else _ini_float(item.config, "parallel_timeout")
 
 

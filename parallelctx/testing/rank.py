@@ -430,6 +430,10 @@ def _run_one(
         capman.read_global_capture()  # drop what was written between tests
         capman.suspend_global_capture(in_=False)
     nextitem = items.get(spec["next"]) if spec.get("next") else None
+    try:  # fixtures the previous test kept for a next test the controller did not send (skipped)
+        session._setupstate.teardown_exact(item)
+    except BaseException:
+        traceback.print_exc()
     try:
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
     finally:
