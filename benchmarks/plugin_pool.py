@@ -82,8 +82,9 @@ def test_fresh_{i}():
 HEADER = "import logging\nimport pytest, torch\nfrom parallelctx import gpc\n"
 
 
-def _run(folder: Path) -> tuple[float, list[float]]:
-    """Run pytest in ``folder``; return (wall seconds, per-test seconds in order)."""
+def _run(folder: Path) -> tuple[float, list[float], int]:
+    """Run pytest in ``folder``; return (wall seconds, per-test seconds of the passed tests in
+    order, how many failed)."""
     xml = folder / "report.xml"
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     begin = time.perf_counter()
@@ -102,7 +103,7 @@ def _run(folder: Path) -> tuple[float, list[float]]:
         raise RuntimeError(f"pytest in {folder} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     if len(times) < len(cases):  # fresh processes on a loaded machine: gloo may fail to connect
         print(f"{folder.name}: {len(cases) - len(times)} of {len(cases)} tests failed; timing the others")
-    return wall, times
+    return wall, times, len(cases) - len(times)
 
 
 def _projects(tests: int, fresh_tests: int) -> dict[str, dict[str, str]]:
@@ -147,7 +148,7 @@ def measure(tests: int, fresh_tests: int) -> dict[str, dict[str, float]]:
             folder.mkdir()
             for file, text in files.items():
                 (folder / file).write_text(text)
-            wall, times = _run(folder)
+            wall, times, failed = _run(folder)
             print(
                 f"{name}: first {times[0]:.2f} s, then {statistics.fmean(times[1:] or times):.3f} s per test"
             )
@@ -159,6 +160,7 @@ def measure(tests: int, fresh_tests: int) -> dict[str, dict[str, float]]:
                 "steady": statistics.fmean(rest),
                 "steady_median": statistics.median(rest),
                 "wall": wall,
+                "failed": failed,
             }
             if name == "user8":
                 records = (folder / "records.log").read_text().splitlines()
@@ -205,6 +207,11 @@ def table(m: dict[str, dict[str, float]]) -> str:
         verdicts.append(
             f"- the conftest's logging thread wrote {int(m['user8']['records'])} of {want} records"
         )
+    for name, failed in _run.failed.items():  # type: ignore[attr-defined]
+        if failed:
+            verdicts.append(
+                f"- {ROWS[name]}: {failed} more test(s) failed (gloo could not connect) and are not timed"
+            )
     relaunch = m["relaunch8"]["steady"] - m["pooled8"]["steady"]
     verdicts.append(
         f"- launching gpc anew adds {relaunch * 1000:.0f} ms per 8-rank test (relaunch8 − pooled8)"
