@@ -207,10 +207,11 @@ def table(m: dict[str, dict[str, float]]) -> str:
         verdicts.append(
             f"- the conftest's logging thread wrote {int(m['user8']['records'])} of {want} records"
         )
-    for name, failed in _run.failed.items():  # type: ignore[attr-defined]
-        if failed:
+    for name in ROWS:
+        if m[name].get("failed"):
             verdicts.append(
-                f"- {ROWS[name]}: {failed} more test(s) failed (gloo could not connect) and are not timed"
+                f"- {ROWS[name]}: {int(m[name]['failed'])} more test(s) failed (gloo could not connect) "
+                "and are not timed"
             )
     relaunch = m["relaunch8"]["steady"] - m["pooled8"]["steady"]
     verdicts.append(
