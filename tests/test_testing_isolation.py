@@ -12,6 +12,8 @@ failure named as the root cause.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest_plugins = ["pytester"]
@@ -182,6 +184,10 @@ def test_pytest_acts_on_every_rank_and_reports_the_root_cause(suite: pytest.Pyte
         ]
     )
     assert "failed: RuntimeError" not in result.stdout.str().split("rank 2 of 4 failed")[0]
+    # the peers that only lost their connection to rank 2 get one line, not a traceback each
+    report = result.stdout.str().split("rank 2 of 4 failed")[1]
+    assert "____ rank 2 ____" in report
+    assert not re.search(r"_{20} ranks? [013]\b", report), report
 
 
 def test_xdist_two_workers_k_and_last_failed(suite: pytest.Pytester) -> None:
