@@ -156,7 +156,19 @@ def seed_everything(seed: int) -> None:
     """Seed Python's ``random``, numpy's global generator and torch (CPU and every CUDA device)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+    _seed_torch(seed)
+
+
+def _seed_torch(seed: int, cuda: bool | None = None) -> None:
+    """``torch.manual_seed(seed)``, without its CUDA share where CUDA is unavailable (a CPU-only
+    build, no GPU; ``cuda``: whether it is, when the caller knows): there each call would only
+    queue a deferred CUDA seed that can never apply, recording the caller's stack for it
+    (milliseconds per call). The CPU generator gets the same seed either way; where CUDA is
+    available nothing changes."""
+    if torch.cuda.is_available() if cuda is None else cuda:
+        torch.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
 
 
 _State = tuple[torch.Tensor, "torch.Tensor | None"]
@@ -189,8 +201,9 @@ class RNGStreams:
         self._active: Any = ParallelMode.GLOBAL
         seed_everything(self.seeds[ParallelMode.GLOBAL])
         saved = self._capture()
+        available = torch.cuda.is_available()
         for mode, seed in self.seeds.items():
-            torch.manual_seed(seed)
+            _seed_torch(seed, available)
             self._states[mode] = self._capture()
         self._restore(saved)
 

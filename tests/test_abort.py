@@ -87,3 +87,35 @@ def test_wake_connects_to_a_listener_once_in_each_peers_name() -> None:
     finally:
         listener.close()
     assert abort.wake({("0100007F", port): (0, 2)}) == 0  # a listener gone: skipped, no error
+
+
+def test_listening_asks_own_sockets_and_agrees_with_the_proc_tables() -> None:
+    """``listening()`` reads this process's sockets, not the system-wide /proc/net/tcp tables
+    (issue 26: tens of ms per launch on a busy machine), and gives what the tables give."""
+    import socket
+
+    from parallelctx import abort
+
+    made = []
+    for family, address in (
+        (socket.AF_INET, "127.0.0.1"),
+        (socket.AF_INET, "0.0.0.0"),
+        (socket.AF_INET6, "::1"),
+    ):
+        sock = socket.socket(family)
+        sock.bind((address, 0))
+        sock.listen()
+        made.append(sock)
+    bound_only = socket.socket()
+    bound_only.bind(("127.0.0.1", 0))
+    made.append(bound_only)
+    try:
+        from_tables = {i: local for i, _, local, _, state in abort._tcp_sockets() if state == abort._LISTEN}
+        found = abort.listening()
+        assert found == from_tables
+        ports = {port for _, port in found.values()}
+        assert {s.getsockname()[1] for s in made[:3]} <= ports
+        assert bound_only.getsockname()[1] not in ports
+    finally:
+        for sock in made:
+            sock.close()

@@ -106,3 +106,25 @@ def test_seed_table_in_the_docs_is_the_formulas() -> None:
         ),
     ]
     assert shown == "\n".join(rows), "paste this table into docs/seeds.md:\n" + "\n".join(rows)
+
+
+def test_seeding_without_cuda_queues_no_deferred_cuda_seed_and_draws_the_same() -> None:
+    """On a build or machine without CUDA, seeding the streams records no deferred CUDA seed
+    (each one costs a stack trace) and the draws are torch.manual_seed's (issue 26)."""
+    import torch
+
+    from parallelctx.seed import RNGStreams
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: seeding it is torch.manual_seed's, unchanged")
+    seeds = {ParallelMode.GLOBAL: 11, ParallelMode.TENSOR: 12, ParallelMode.DATA: 13}
+    before = (len(torch.cuda._queued_calls), torch.cuda._lazy_seed_tracker.get_calls())
+    streams = RNGStreams(seeds, cuda=False)
+    assert (len(torch.cuda._queued_calls), torch.cuda._lazy_seed_tracker.get_calls()) == before
+    got = {}
+    for mode in seeds:
+        with streams.fork(mode):
+            got[mode] = torch.rand(4)
+    for mode, seed in seeds.items():
+        torch.manual_seed(seed)
+        assert torch.equal(got[mode], torch.rand(4)), mode

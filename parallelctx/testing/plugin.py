@@ -49,6 +49,8 @@ _ABBREV = {
 }
 _POOLS = pytest.StashKey["PoolSet"]()
 _ON_RANK = pytest.StashKey[bool]()
+_USER_TIMEOUT = pytest.StashKey["float | None"]()
+_NEXT = pytest.StashKey[str]()
 
 
 class MarkerError(ValueError):
@@ -242,6 +244,7 @@ class PoolSet:
         self.session: dict[str, Any] = session or {"args": [], "dir": os.getcwd(), "files": []}
         self.pools: dict[int, Any] = {}
         self.started = 0
+        self.warned = False
 
     def get(self, world_size: int) -> Any:
         """Return a live pool of ``world_size`` ranks, starting one if needed.
@@ -332,8 +335,34 @@ def pytest_configure(config: pytest.Config) -> None:
         "args": [str(a) for a in config.invocation_params.args],
         "dir": str(config.invocation_params.dir),
         "files": [],
+        "coverage": None,
     }
     config.stash[_POOLS] = PoolSet(devices, _ini_float(config, "parallel_start_timeout"), session)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note how pytest-cov measures (when it does), for the ranks to measure alike."""
+    pools = session.config.stash.get(_POOLS, None)
+    if pools is not None and not session.config.stash.get(_ON_RANK, False):
+        pools.session["coverage"] = _coverage_settings(session.config)
+
+
+def _coverage_settings(config: pytest.Config) -> dict[str, Any] | None:
+    """pytest-cov's settings in this process (its source, branch, config file and the data file
+    it combines), or None when it does not measure."""
+    plugin = config.pluginmanager.get_plugin("_cov")
+    controller: Any = getattr(plugin, "cov_controller", None)
+    cov = getattr(controller, "cov", None)
+    if cov is None or getattr(plugin, "_disabled", False):
+        return None
+    topdir = getattr(controller, "topdir", None) or str(config.invocation_params.dir)
+    return {
+        "data_file": os.path.join(topdir, cov.config.data_file),
+        "source": controller.cov_source,
+        "branch": controller.cov_branch,
+        "config_file": controller.cov_config,
+    }
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -363,25 +392,64 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize(LAYOUT_ARG, [dict(x) for x in layouts], ids=[layout_id(x) for x in layouts])
 
 
+def _pytest_timeout_of(item: pytest.Item) -> float | None:
+    """The limit pytest-timeout gives ``item``: its ``@pytest.mark.timeout`` or the
+    ``--timeout`` option (None when neither is set or pytest-timeout is not installed)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    else:
+        value = (
+            item.config.getoption("timeout", None) if item.config.pluginmanager.hasplugin("timeout") else None
+        )
+    try:
+        number = float(value) if value is not None and not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        return None
+    return number if number is not None and number > 0 else None
+
+
+def _default_timeout(item: pytest.Item) -> float:
+    """A parallel test's timeout when its marker has no ``timeout=``: pytest-timeout's (marker,
+    then ``--timeout``), else the ini ``parallel_timeout``."""
+    # noted before the plugin gave pytest-timeout its own marker (see modifyitems)
+    found = item.stash[_USER_TIMEOUT] if _USER_TIMEOUT in item.stash else _pytest_timeout_of(item)
+    return found if found is not None else _ini_float(item.config, "parallel_timeout")
+
+
 def _timeout_of(item: pytest.Item) -> float:
     marker = item.get_closest_marker("parallel")
-    default = _ini_float(item.config, "parallel_timeout")
+    default = _default_timeout(item)
     if marker is None:
         return default
     timeout = marker.kwargs.get("timeout", default)
     return float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else default
 
 
+def _world_size_of(item: pytest.Item) -> int | None:
+    """The world size a marked test runs on (None when its marker is bad: the test reports that)."""
+    marker = item.get_closest_marker("parallel")
+    if marker is None:
+        return None
+    found = item.callspec.params.get(LAYOUT_ARG) if hasattr(item, "callspec") else None
+    layout = found if isinstance(found, Mapping) else {}
+    size = layout.get("world_size", marker.kwargs.get("world_size", marker.args[0] if marker.args else None))
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give marked tests a pytest-timeout limit above their own, so the plugin's report comes
-    first. In the controller, a marked test runs no fixture (its ranks run them all), and the
-    files of marked tests are noted for the ranks' sessions to collect."""
+    """pytest-timeout's limit of a marked test (its marker or ``--timeout``) becomes the
+    plugin's timeout, and pytest-timeout gets that plus a margin, so the plugin's report (with
+    every rank's stack) comes first. In the controller, a marked test runs no fixture (its
+    ranks run them all), the files of marked tests are noted for the ranks' sessions to
+    collect, and each pool's test order is noted (each test's next on the same pool decides
+    which fixtures the ranks keep)."""
     marked = [item for item in items if item.get_closest_marker("parallel") is not None]
     if config.pluginmanager.hasplugin("timeout"):
         for item in marked:
-            if item.get_closest_marker("timeout") is None:
-                item.add_marker(pytest.mark.timeout(_timeout_of(item) + PYTEST_TIMEOUT_MARGIN_S))
+            item.stash[_USER_TIMEOUT] = _pytest_timeout_of(item)
+            item.add_marker(pytest.mark.timeout(_timeout_of(item) + PYTEST_TIMEOUT_MARGIN_S), append=False)
     if config.stash.get(_ON_RANK, False):
         return
     for item in marked:
@@ -391,6 +459,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if pools is not None:
         files = set(pools.session["files"]) | {str(item.path) for item in marked}
         pools.session["files"] = sorted(files)
+        previous: dict[int, pytest.Item] = {}
+        for item in marked:
+            size = _world_size_of(item)
+            if size is None:
+                continue
+            if size in previous:
+                previous[size].stash[_NEXT] = item.nodeid
+            previous[size] = item
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_runtestloop(session: pytest.Session) -> Any:
+    """End the pools when the tests are done, inside pytest-cov's own wrapper, so the ranks'
+    coverage data is saved before pytest-cov combines it."""
+    try:
+        return (yield)
+    finally:
+        pools = session.config.stash.get(_POOLS, None)
+        if pools is not None:
+            pools.close()
 
 
 def _test_folder(item: pytest.Function) -> Path:
@@ -408,6 +496,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("parallel")
     if marker is None or pyfuncitem.config.stash.get(_ON_RANK, False):
         return None
+    from .rank import params_of
     from .report import raise_for
 
     found = pyfuncitem.callspec.params.get(LAYOUT_ARG) if hasattr(pyfuncitem, "callspec") else None
@@ -418,7 +507,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
             marker.kwargs,
             layout,
             Path(str(pyfuncitem.path)),
-            _ini_float(pyfuncitem.config, "parallel_timeout"),
+            _default_timeout(pyfuncitem),
         )
     except ValueError as exc:  # MarkerError, ConfigError and pydantic's ValidationError
         problem = str(exc)
@@ -452,6 +541,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "env": pool.environment(os.environ),
         "tmp_path": str(_test_folder(pyfuncitem)),
         "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
+        "next": pyfuncitem.stash.get(_NEXT, None),
+        "params": params_of(pyfuncitem),
     }
     try:
         outcome = pool.run(spec, timeout)
@@ -464,6 +555,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         raise
     if not outcome.reusable:
         pools.discard(world_size)
+    if pool.warning and not pools.warned:
+        pools.warned = True
+        import warnings
+
+        warnings.warn(pool.warning, RuntimeWarning, stacklevel=1)
     _add_output(pyfuncitem, outcome)
     raise_for(outcome, timeout, layout_id(layout) if layout else None)
     return True

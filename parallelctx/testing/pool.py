@@ -1,14 +1,18 @@
 """A pool of long-lived rank processes, one per rank, that run tests on ``world_size`` ranks.
 
 The controller (the pytest process) starts ``python -m parallelctx.testing.worker`` once per
-rank and talks to each over a local socket. Each rank process starts a pytest session like the
-controller's and, for every test, forks a child that runs it and exits, so no test sees what
-another left behind (:mod:`parallelctx.testing.worker`). Rank 0's child serves the rendezvous
-store on a port the OS picks, which the controller passes on to the other ranks: pools never
-collide on a port. Each rank's stdout and stderr go to files in the pool's folder, so the
-output of one test is what was appended while it ran; SIGUSR1 makes a child dump its Python
-stacks (faulthandler) to a third file. A test that hangs costs its children, not the pool; a
-pool whose rank process died is killed, never reused.
+rank (the rank's zygote, which never runs user code) and talks to each over a local socket.
+Each zygote forks a session process that starts a pytest session like the controller's,
+collects, and runs test after test, keeping session- and module-scoped fixtures, as a
+pytest-xdist worker does (:mod:`parallelctx.testing.worker`, :mod:`parallelctx.testing.rank`);
+the ranks' collections are compared before the first test. After a test that hung or whose
+session process died on some rank, all the session processes end and the next test gets new
+ones. Rank 0's session
+process serves the rendezvous store on a port the OS picks, which the controller passes on to
+the other ranks: pools never collide on a port. Each rank's stdout and stderr go to files in
+the pool's folder, so the output of one test is what was appended while it ran; SIGUSR1 makes
+a session process dump its Python stacks (faulthandler) to a third file. A test that hangs
+costs its session processes, not the pool; a pool whose zygote died is killed, never reused.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ __all__ = ["Pool", "PoolError", "RunOutcome", "pick_devices"]
 FAILURE_GRACE_S = 3.0
 #: How long a hung worker gets to write its stacks after SIGUSR1.
 STACK_WAIT_S = 2.0
+#: How long a rank's session process gets to tear its fixtures down and save its coverage.
+END_WAIT_S = 30.0
 
 
 class PoolError(RuntimeError):
@@ -72,8 +78,8 @@ class RunOutcome:
 
     @property
     def reusable(self) -> bool:
-        """True when every rank process is still there and answered: the pool may run the next
-        test (each test runs in children of its own, so nothing a test did survives it)."""
+        """True when every rank's zygote is still there and answered: the pool may run the next
+        test (on new session processes when this one did not pass on every rank)."""
         return not self.broken
 
 
@@ -122,8 +128,8 @@ def _describe_exit(code: int | None) -> str:
 
 
 class Pool:
-    """``world_size`` rank processes, started once and reused for test after test; each test runs
-    in children they fork (see :mod:`parallelctx.testing.worker`).
+    """``world_size`` rank processes, started once and reused for test after test; tests run in
+    the session processes they fork (see :mod:`parallelctx.testing.worker`).
 
     ``session`` is what every rank's pytest session is made from: the controller's command line
     ``args``, its invocation folder ``dir``, its ``sys_path`` and the test ``files`` to collect.
@@ -147,6 +153,16 @@ class Pool:
         self.dir = Path(tempfile.mkdtemp(prefix=f"parallelctx-pool{world_size}-"))
         self.tests_run = 0
         self.started_s = 0.0
+        self.start_timeout = start_timeout
+        #: Rank 0's rendezvous store port, and each rank's session process, while one is open.
+        self.port = 0
+        self.session_pids: dict[int, int] = {}
+        #: How many times the ranks' session processes were started (1 + one per replacement).
+        self.sessions_started = 0
+        #: A zygote's warning that forking it may be unsafe (empty when it is not).
+        self.warning = ""
+        #: Whether the next test must launch gpc anew (the last one did not pass everywhere).
+        self.relaunch = False
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._conns: dict[int, Connection] = {}
         self.pids: dict[int, int] = {}
@@ -163,7 +179,8 @@ class Pool:
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The environment a rank gets from the controller's ``base``: launcher variables
-        dropped, one OpenMP thread unless set, no GPU on a CPU pool (on a GPU pool, CUDA
+        dropped, PYTHONHASHSEED fixed (the controller's, else 0), one OpenMP thread that sleeps when idle
+        unless set, no GPU on a CPU pool (on a GPU pool, CUDA
         availability asked of NVML), and this package importable.
 
         Returns:
@@ -175,7 +192,12 @@ class Pool:
         if package_root not in paths:
             env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
         env["PYTHONUNBUFFERED"] = "1"
+        # every rank iterates sets and dicts of str alike, so parametrize values agree
+        env["PYTHONHASHSEED"] = base.get("PYTHONHASHSEED") or "0"
         env.setdefault("OMP_NUM_THREADS", "1")
+        # N ranks share the cores: OpenMP threads that spin after each parallel region (libgomp's
+        # default) steal them from the peers (a conftest's set_num_threads(2) made tests 2-4x slower)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         if self.devices == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -234,24 +256,49 @@ class Pool:
                 self.pids[int(rank)] = int(pid)
         for rank, conn in self._conns.items():
             conn.send(("session", {**session, "basetemp": str(self.dir / f"rank{rank}-tmp")}))
-        ready: set[int] = set()
-        while len(ready) < self.world_size:
-            self._check_starting(deadline, start_timeout, ready)
+        self.open_session()
+
+    def open_session(self) -> None:
+        """Have every rank's zygote fork its session process and wait until each has started its
+        pytest session and collected; check that every rank collected the same tests with the
+        same parameter values. Returns None.
+
+        Raises:
+            PoolError: a session process ended or failed while starting, did not answer within
+                the start timeout, or the ranks collected different tests (the message names
+                the first difference); the caller must :meth:`kill` the pool.
+        """
+        deadline = time.monotonic() + self.start_timeout
+        for conn in self._conns.values():
+            conn.send(("fork",))
+        infos: dict[int, dict[str, Any]] = {}
+        while len(infos) < self.world_size:
+            self._check_starting(deadline, self.start_timeout, set(infos))
             for ready_conn in wait(
-                [self._conns[r] for r in range(self.world_size) if r not in ready], timeout=0.2
+                [self._conns[r] for r in range(self.world_size) if r not in infos], timeout=0.2
             ):
                 rank = next(r for r, c in self._conns.items() if c is ready_conn)
                 try:
                     message = self._conns[rank].recv()
                 except (EOFError, OSError):
                     continue  # its exit is reported by _check_starting
+                if message[0] == "exited":
+                    raise PoolError(
+                        f"pool rank {rank} of {self.world_size}'s session process {message[1]} while starting; "
+                        f"its stderr:\n{_tail(self._paths(rank)[1])}"
+                    )
                 if message[0] == "ready":
                     if message[1].get("error"):
                         raise PoolError(
                             f"pool rank {rank} of {self.world_size} could not start its pytest session:\n"
                             f"{message[1]['error']}"
                         )
-                    ready.add(rank)
+                    infos[rank] = message[1]
+        check_same_collection({r: info["items"] for r, info in infos.items()})
+        self.port = int(infos[0]["port"])
+        self.session_pids = {r: int(info["pid"]) for r, info in infos.items()}
+        self.warning = next((info["warning"] for info in infos.values() if info.get("warning")), "")
+        self.sessions_started += 1
 
     def _check_starting(self, deadline: float, start_timeout: float, done: set[int]) -> None:
         for rank, proc in self._procs.items():
@@ -272,43 +319,53 @@ class Pool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs.values())
 
     def run(self, spec: dict[str, Any], timeout: float) -> RunOutcome:
-        """Run one test: every rank forks a child for it; collect the answers.
+        """Run one test on every rank's session process (opening them first if none is open);
+        collect the answers.
 
         Waits at most ``timeout`` seconds for all ranks; once a rank has failed, skipped or died
         the others get :data:`FAILURE_GRACE_S` more. Ranks still running then are hung: their
-        stacks are dumped and collected, and their children killed. The rank processes
-        themselves are untouched by the test, so the pool stays usable unless one of them is
-        gone (:attr:`RunOutcome.reusable`; the caller must :meth:`kill` the pool otherwise).
+        stacks are dumped and collected, and their session processes killed. When every rank
+        answered (passed, failed or skipped), the session processes stay for the next test,
+        with their fixtures (after a failure or a skip the next test launches ``gpc`` anew);
+        when a rank hung or its session process died they all end (the others tear their
+        fixtures down) and the next test gets new ones, forked from the zygotes: the pool stays
+        usable unless a zygote is gone
+        (:attr:`RunOutcome.reusable`; the caller must :meth:`kill` the pool otherwise).
 
         Returns:
             The :class:`RunOutcome`.
 
         Raises:
-            PoolError: a rank process was already gone before the test was sent (nothing ran).
+            PoolError: a rank process was gone before the test was sent, or new session
+                processes could not start (nothing ran).
         """
         outcome = RunOutcome(self.world_size)
         if not self.alive():
             gone = {r: _describe_exit(p.returncode) for r, p in self._procs.items() if p.poll() is not None}
             raise PoolError(f"pool workers are gone before the test: {gone}")
+        if not self.session_pids:
+            self.open_session()
         offsets = {
             r: (self._paths(r)[0].stat().st_size, self._paths(r)[1].stat().st_size)
             for r in range(self.world_size)
         }
         begin = time.monotonic()
+        message_out = ("run", {**spec, "port": self.port, "relaunch": self.relaunch})
         for rank, conn in self._conns.items():
             try:
-                conn.send(("run", spec))
+                conn.send(message_out)
             except OSError as exc:
                 raise PoolError(f"pool worker rank {rank} is gone before the test: {exc}") from None
         self.tests_run += 1
         deadline = begin + timeout
         given_up_at: float | None = None
-        children: dict[int, int] = {}
-        running = set(range(self.world_size))  # children not yet reported exited
+        exited: set[int] = set()  # session processes that ended
         broken: set[int] = set()
 
         def pending() -> set[int]:
-            return {r for r in running - broken if r not in outcome.results}
+            return {
+                r for r in range(self.world_size) if r not in outcome.results and r not in exited | broken
+            }
 
         while pending():
             now = time.monotonic()
@@ -317,7 +374,9 @@ class Pool:
                 break
             if given_up_at is not None and now > given_up_at:
                 break
-            for ready_conn in wait([self._conns[r] for r in running - broken], timeout=0.1):
+            for ready_conn in wait(
+                [self._conns[r] for r in set(range(self.world_size)) - broken], timeout=0.1
+            ):
                 rank = next(r for r, c in self._conns.items() if c is ready_conn)
                 try:
                     message = self._conns[rank].recv()
@@ -327,47 +386,29 @@ class Pool:
                     outcome.dead_at[rank] = time.time()
                     continue
                 kind = message[0]
-                if kind == "started":
-                    children[rank] = int(message[1])
-                elif kind == "port":
-                    for other in range(1, self.world_size):
-                        if other in running and other not in broken:
-                            try:
-                                self._conns[other].send(("port", message[1]))
-                            except OSError:
-                                broken.add(other)
-                elif kind == "result":
+                if kind == "result":
                     outcome.results[rank] = message[1]
                     if message[1]["outcome"] != "passed" and given_up_at is None:
                         given_up_at = time.monotonic() + FAILURE_GRACE_S
                 elif kind == "exited":
-                    running.discard(rank)
+                    exited.add(rank)
                     if rank not in outcome.results:
                         outcome.dead[rank] = message[1]
                         outcome.dead_at[rank] = float(message[2])
                         if given_up_at is None:
                             given_up_at = time.monotonic() + FAILURE_GRACE_S
-            for rank in running - broken:
+            for rank in set(range(self.world_size)) - broken:
                 if self._procs[rank].poll() is not None:
                     broken.add(rank)
                     outcome.dead[rank] = _describe_exit(self._procs[rank].returncode)
                     outcome.dead_at[rank] = time.time()
         outcome.hung = sorted(pending())
         if outcome.hung:
-            outcome.stacks = self._dump_stacks({r: children.get(r) for r in outcome.hung})
-        for rank in sorted(running - broken):
-            if rank in outcome.hung:
-                if rank in children:
-                    try:
-                        os.kill(children[rank], signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            else:
-                try:  # a child that answered waits for this before it exits (see worker.py)
-                    self._conns[rank].send(("release",))
-                except OSError:
-                    broken.add(rank)
-        self._reap(running - broken, broken)
+            outcome.stacks = self._dump_stacks({r: self.session_pids.get(r) for r in outcome.hung})
+        if outcome.hung or outcome.dead or exited or len(outcome.results) < self.world_size:
+            self.end_session(exited, broken, kill=set(outcome.hung))
+        # after a failure or a skip somewhere, every rank launches gpc anew for the next test
+        self.relaunch = any(res["outcome"] != "passed" for res in outcome.results.values())
         outcome.broken = sorted(broken)
         outcome.elapsed = time.monotonic() - begin
         for rank, (out_at, err_at) in offsets.items():
@@ -376,27 +417,46 @@ class Pool:
             outcome.stderr[rank] = _read_from(err, err_at)
         return outcome
 
-    def _reap(self, running: set[int], broken: set[int]) -> None:
-        """Wait for the rank processes in ``running`` to report their (killed) child exited;
-        a rank that does not within a few seconds joins ``broken``."""
-        deadline = time.monotonic() + 10.0
-        pending = set(running)
-        while pending and time.monotonic() < deadline:
-            for ready_conn in wait([self._conns[r] for r in pending], timeout=0.2):
-                rank = next(r for r, c in self._conns.items() if c is ready_conn)
-                try:
-                    message = self._conns[rank].recv()
-                except (EOFError, OSError, pickle.UnpicklingError):
-                    broken.add(rank)
-                    pending.discard(rank)
-                    continue
-                if message[0] == "exited":
-                    pending.discard(rank)
-            for rank in list(pending):
-                if self._procs[rank].poll() is not None:
-                    broken.add(rank)
-                    pending.discard(rank)
-        broken.update(pending)
+    def end_session(
+        self, exited: set[int] | None = None, broken: set[int] | None = None, kill: set[int] | None = None
+    ) -> None:
+        """End every rank's session process: SIGKILL for the ranks in ``kill``, ``("end",)`` for
+        the others (their fixtures are torn down and their coverage saved), and wait for each
+        zygote to say it ended; ranks in ``exited`` have ended already. A rank whose session does
+        not end within :data:`END_WAIT_S` is killed; a rank whose zygote does not answer is added
+        to ``broken``. Returns None."""
+        exited = set() if exited is None else exited
+        broken = set() if broken is None else broken
+        for rank in sorted(set(self.session_pids) - exited - broken):
+            if kill and rank in kill:
+                _kill_pid(self.session_pids[rank])
+                continue
+            try:
+                self._conns[rank].send(("end",))
+            except OSError:
+                broken.add(rank)
+        waiting = set(self.session_pids) - exited - broken
+        for patience in (END_WAIT_S, 5.0):
+            deadline = time.monotonic() + patience
+            while waiting and time.monotonic() < deadline:
+                for ready_conn in wait([self._conns[r] for r in waiting], timeout=0.2):
+                    rank = next(r for r, c in self._conns.items() if c is ready_conn)
+                    try:
+                        message = self._conns[rank].recv()
+                    except (EOFError, OSError, pickle.UnpicklingError):
+                        broken.add(rank)
+                        waiting.discard(rank)
+                        continue
+                    if message[0] == "exited":
+                        waiting.discard(rank)
+                for rank in list(waiting):
+                    if self._procs[rank].poll() is not None:
+                        broken.add(rank)
+                        waiting.discard(rank)
+            for rank in waiting:  # a teardown that hangs
+                _kill_pid(self.session_pids[rank])
+        broken.update(waiting)
+        self.session_pids = {}
 
     def _dump_stacks(self, ranks: dict[int, int | None]) -> dict[int, str]:
         """SIGUSR1 to the child of each rank in ``ranks`` (rank to child pid; the rank process
@@ -438,7 +498,10 @@ class Pool:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def close(self) -> None:
-        """Ask every rank process to exit, wait briefly, then kill what is left (see :meth:`kill`)."""
+        """End the session processes (fixtures torn down, coverage saved: :meth:`end_session`),
+        ask every rank process to exit, wait briefly, then kill what is left (see :meth:`kill`)."""
+        if self.session_pids and self.alive():
+            self.end_session()
         for conn in self._conns.values():
             try:
                 conn.send(("exit",))
@@ -451,6 +514,45 @@ class Pool:
             except subprocess.TimeoutExpired:
                 pass
         self.kill()
+
+
+def _kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def check_same_collection(items: Mapping[int, list[tuple[str, str]]]) -> None:
+    """Check that every rank collected the same tests, in the same order, with the same
+    parameter values (``items`` maps a rank to its ``[(node id, parameters)]``). Returns None.
+
+    Raises:
+        PoolError: two ranks differ; the message names the first difference and the likely
+            cause.
+    """
+
+    def describe(found: list[tuple[str, str]], index: int) -> str:
+        if index >= len(found):
+            return f"no test {index + 1} (it collected {len(found)})"
+        nodeid, params = found[index]
+        return f"{nodeid} with {params}" if params else nodeid
+
+    reference = [(str(a), str(b)) for a, b in items[min(items)]]
+    for rank in sorted(items):
+        found = [(str(a), str(b)) for a, b in items[rank]]
+        if found == reference:
+            continue
+        index = next(
+            (i for i, (a, b) in enumerate(zip(reference, found, strict=False)) if a != b),
+            min(len(reference), len(found)),
+        )
+        raise PoolError(
+            f"the ranks collected different tests: test {index + 1} of rank {min(items)} is "
+            f"{describe(reference, index)}, of rank {rank} {describe(found, index)}. Each rank collects the "
+            "test files itself; parameters must not depend on the process (random values, a set or "
+            "another hash-ordered value when PYTHONHASHSEED is not fixed, the rank's environment)"
+        )
 
 
 def _read_from(path: Path, offset: int) -> str:

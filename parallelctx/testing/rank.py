@@ -1,25 +1,42 @@
-"""The rank side of a parallel test: a pytest session of its own in every rank process.
+"""The rank side of a parallel test: a pytest session of its own in every rank's session process.
 
-A pool's rank process (:mod:`parallelctx.testing.worker`) builds a pytest ``Config`` from the
-controller's command line, in the controller's invocation folder, so the same rootdir, ini file,
-conftests and plugins load; it collects the files that hold parallel tests once. For each test
-it forks a child that runs pytest's item protocol for that node id (autouse fixtures, markers,
-``filterwarnings``, ``monkeypatch``, ``capsys``, ``caplog``, ``request`` all act on the rank),
-with :class:`RankPlugin` launching ``gpc`` before the test's fixtures and recording what
-happened in each phase.
+A pool rank's session process (forked by :mod:`parallelctx.testing.worker` from a zygote that
+never ran user code) builds a pytest ``Config`` from the controller's command line, in the
+controller's invocation folder, so the same rootdir, ini file, conftests and plugins load; it
+collects the files that hold parallel tests once, then runs pytest's item protocol for test
+after test (:func:`run_session`), with the next test of the pool as ``nextitem`` so that
+session- and module-scoped fixtures live as long as pytest keeps them (autouse fixtures,
+markers, ``filterwarnings``, ``monkeypatch``, ``capsys``, ``caplog``, ``request`` all act on
+the rank). :class:`RankPlugin` launches ``gpc`` before a test's fixtures (or, when the previous
+test had the same config, keeps it and seeds it anew) and records what happened in each phase;
+the process state pytest does not restore is put back after each test (:class:`_State`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
+import sys
 import time
+import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-__all__ = ["PEER_LOSS_PATTERNS", "RANK_PLUGIN_NAME", "RankPlugin", "is_peer_loss", "start_session"]
+__all__ = [
+    "PEER_LOSS_PATTERNS",
+    "RANK_PLUGIN_NAME",
+    "RankPlugin",
+    "is_peer_loss",
+    "params_of",
+    "run_session",
+    "start_session",
+]
 
 #: Name under which :class:`RankPlugin` is registered; the main plugin checks it to know it runs
 #: on a rank (and must run tests, not send them to a pool).
@@ -58,6 +75,28 @@ _RANK_OPTIONS: dict[str, Any] = {
     "exitfirst": False,
     "maxfail": 0,
 }
+#: Object addresses in a repr, which differ from process to process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def params_of(item: pytest.Item) -> str:
+    """A test's parameter values as text to compare across processes (``repr`` of each, object
+    addresses dropped); empty for a test without parameters.
+
+    Returns:
+        The text.
+    """
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return ""
+    parts = []
+    for name in sorted(callspec.params):
+        try:
+            text = repr(callspec.params[name])
+        except Exception as exc:  # a repr that raises is still a value; say which
+            text = f"<repr raised {type(exc).__name__}>"
+        parts.append(f"{name}={_ADDRESS.sub('', text)[:300]}")
+    return ", ".join(parts)
 
 
 def is_peer_loss(message: str) -> bool:
@@ -79,9 +118,11 @@ class RankPlugin:
         self.phases: list[dict[str, Any]] = []
         self.sections: list[tuple[str, str]] = []
         self.collect_errors: list[str] = []
+        #: The (config, lazy) that ``gpc`` was last launched with by this plugin.
+        self.launched: tuple[dict[str, Any], bool] | None = None
 
     def begin(self, spec: dict[str, Any], port: int) -> None:
-        """Set the test this (forked) process runs, and rank 0's store port."""
+        """Set the test this process runs next, and rank 0's store port."""
         self.spec = spec
         self.port = port
         self.phases = []
@@ -99,22 +140,29 @@ class RankPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        """Launch ``gpc`` for the test's layout, before any fixture runs (a ``gpc`` that the
-        session's conftest launched, e.g. a world of one, is destroyed first)."""
+        """Launch ``gpc`` for the test's layout, before any fixture runs. When the previous test
+        on this process launched the same config and ``gpc`` is still up, it is kept (its
+        groups may live in a session fixture) and only seeded anew, so every test starts from
+        the seeds of a fresh launch; any other ``gpc`` (the previous test's, one a conftest
+        launched) is destroyed first."""
         from ..context import ParallelMode, gpc
         from ..launch import launch
 
-        if gpc.is_initialized(ParallelMode.GLOBAL):
-            gpc.destroy()
+        lazy = bool(self.spec.get("lazy_default_group", False)) and "TORCH_GLOO_LAZY_INIT" not in os.environ
+        key = (self.spec["config"], lazy)
         simulate = self.spec.get("simulate")
+        if gpc.is_initialized(ParallelMode.GLOBAL):
+            if not simulate and self.launched == key and not self.spec.get("relaunch"):
+                gpc.set_seed()
+                return
+            gpc.destroy()
+        self.launched = None
         if simulate:  # a dry run of one rank of a big world (parallelctx.dryrun)
             sim = {"world_size": simulate["world_size"], "rank": simulate["ranks"][self.rank]}
             launch(self.spec["config"], simulate=sim)
             return
-
         # The default group connects on its first collective too (as the subgroups do with the
         # config's dist.gloo_lazy_init): a test pays only for the connections it uses.
-        lazy = self.spec.get("lazy_default_group", False) and "TORCH_GLOO_LAZY_INIT" not in os.environ
         if lazy:
             os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
         try:
@@ -130,6 +178,7 @@ class RankPlugin:
         finally:
             if lazy:
                 os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+        self.launched = key
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -219,13 +268,20 @@ def start_session(args: list[str], invocation_dir: str, basetemp: str, plugin: R
     from _pytest.terminal import TerminalWriter
 
     os.chdir(invocation_dir)
-    config = _prepareconfig(list(args))
+    args = list(args)
+    if any(str(a).startswith("--cov") for a in args):
+        # pytest-cov here would erase the controller's data; run_session measures the rank itself
+        args.append("--no-cov")
+    config = _prepareconfig(args)
     config.pluginmanager.register(plugin, RANK_PLUGIN_NAME)
     for name, value in _RANK_OPTIONS.items():
         if hasattr(config.option, name):
             setattr(config.option, name, value)
     config.option.basetemp = basetemp
     config._do_configure()
+    timeout_plugin = config.pluginmanager.get_plugin("timeout")
+    if timeout_plugin is not None:  # pytest-timeout's limit is the controller's test timeout here
+        config.pluginmanager.unregister(timeout_plugin)
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:  # the controller reports; a rank's own terminal output goes nowhere
         reporter._tw = TerminalWriter(open(os.devnull, "w"))  # noqa: SIM115 - for the process's life
@@ -266,3 +322,244 @@ def serve_store(world_size: int, timeout_s: float) -> Any:
         wait_for_workers=False,
         multi_tenant=True,
     )
+
+
+class _State:
+    """The process state a test may change that pytest itself does not put back, taken before
+    a test and restored after it: the default dtype, grad mode, deterministic mode, the root
+    logger's handlers and level, every logger's level, and the working folder (the environment
+    is set anew before each test)."""
+
+    def __init__(self) -> None:
+        self.dtype = torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+        root = logging.getLogger()
+        self.handlers = list(root.handlers)
+        self.levels = {
+            name: lg.level
+            for name, lg in logging.Logger.manager.loggerDict.items()
+            if isinstance(lg, logging.Logger)
+        }
+        self.root_level = root.level
+        self.cwd = os.getcwd()
+
+    def restore(self) -> None:
+        """Put the state back as it was taken."""
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(self.grad)
+        if (
+            torch.are_deterministic_algorithms_enabled() != self.deterministic
+            or torch.is_deterministic_algorithms_warn_only_enabled() != self.warn_only
+        ):
+            torch.use_deterministic_algorithms(self.deterministic, warn_only=self.warn_only)
+        root = logging.getLogger()
+        root.handlers[:] = self.handlers
+        if root.level != self.root_level:
+            root.setLevel(self.root_level)
+        for name, lg in list(logging.Logger.manager.loggerDict.items()):
+            if isinstance(lg, logging.Logger) and lg.level != self.levels.get(name, logging.NOTSET):
+                lg.setLevel(self.levels.get(name, logging.NOTSET))
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
+
+
+def _apply_environment(spec: dict[str, Any]) -> None:
+    """This process's environment becomes the controller's at the test's call (plus the pool's
+    own settings); its import path gets the controller's entries and its folder the controller's."""
+    if os.environ != spec["env"]:
+        os.environ.clear()
+        os.environ.update(spec["env"])
+    for entry in reversed(spec["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    if os.getcwd() != spec["cwd"]:
+        os.chdir(spec["cwd"])
+
+
+def _start_coverage(settings: dict[str, Any] | None) -> Any:
+    """Start measuring coverage as the controller's pytest-cov does (same source, branch and
+    config file), into a data file of its own beside the controller's, which pytest-cov
+    combines at the end of the run.
+
+    Returns:
+        The started ``coverage.Coverage``, or None when the controller measures nothing.
+    """
+    if not settings:
+        return None
+    import coverage
+
+    cov = coverage.Coverage(
+        data_file=settings["data_file"],
+        data_suffix=True,
+        source=settings["source"],
+        branch=settings["branch"],
+        config_file=settings["config_file"],
+    )
+    cov.start()
+    return cov
+
+
+def _failed(rank: int, message: str, longrepr: str = "") -> dict[str, Any]:
+    return {
+        "rank": rank,
+        "outcome": "failed",
+        "phase": "setup",
+        "message": message,
+        "longrepr": longrepr or message,
+        "exc_type": None,
+        "time": time.time(),
+        "peer_loss": False,
+        "sections": [],
+    }
+
+
+def _run_one(
+    session: Any, items: dict[str, Any], plugin: RankPlugin, spec: dict[str, Any], port: int
+) -> dict[str, Any]:
+    """Run one test's pytest protocol here, with the pool's next test as ``nextitem``.
+
+    Returns:
+        The rank's result (see :meth:`RankPlugin.result`).
+    """
+    rank = plugin.rank
+    _apply_environment(spec)
+    item = items.get(spec["nodeid"])
+    if item is None:
+        errors = "\n".join(plugin.collect_errors) or "no collection error was reported"
+        return _failed(
+            rank,
+            f"rank {rank} could not collect {spec['nodeid']}",
+            f"rank {rank} could not collect {spec['nodeid']}:\n{errors}",
+        )
+    mine = params_of(item)
+    if spec.get("params") is not None and mine != spec["params"]:
+        return _failed(
+            rank,
+            f"rank {rank} collected {spec['nodeid']} with other parameter values than the controller: "
+            f"controller {spec['params']!r}, rank {rank} {mine!r} (parametrize over a set or another "
+            f"hash-ordered value? the ranks run with PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')!r}; "
+            "the controller's differs: set PYTHONHASHSEED for the pytest run, or parametrize over a sorted list)",
+        )
+    state = _State()
+    plugin.begin(spec, port)
+    capman = session.config.pluginmanager.get_plugin("capturemanager")
+    if capman is not None and capman.is_globally_capturing():
+        capman.resume_global_capture()
+        capman.read_global_capture()  # drop what was written between tests
+        capman.suspend_global_capture(in_=False)
+    nextitem = items.get(spec["next"]) if spec.get("next") else None
+    try:  # fixtures the previous test kept for a next test the controller did not send (skipped)
+        session._setupstate.teardown_exact(item)
+    except BaseException:
+        traceback.print_exc()
+    try:
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+    finally:
+        state.restore()
+    return plugin.result()
+
+
+def _forget_gpc() -> None:
+    """A conftest may launch ``gpc`` when the session starts (a world of one, say): destroy it,
+    so that the first test launches its own."""
+    from ..context import ParallelMode, gpc
+
+    if gpc.is_initialized(ParallelMode.GLOBAL):
+        gpc.destroy()
+
+
+def _drop_gpc(plugin: RankPlugin) -> None:
+    """Destroy ``gpc`` after a test that did not pass here; the next test launches anew."""
+    from ..context import ParallelMode, gpc
+
+    plugin.launched = None
+    try:
+        if gpc.is_initialized(ParallelMode.GLOBAL):
+            gpc.destroy()
+    except BaseException:
+        traceback.print_exc()
+
+
+def _end(session: Any, cov: Any) -> None:
+    """Tear down the fixtures still set up (session-, module-scoped), destroy ``gpc`` and save
+    coverage."""
+    from ..context import ParallelMode, gpc
+
+    try:
+        if session is not None:
+            session._setupstate.teardown_exact(None)
+    except BaseException:
+        traceback.print_exc()
+    try:
+        if gpc.is_initialized(ParallelMode.GLOBAL):
+            gpc.destroy()
+    except BaseException:
+        traceback.print_exc()
+    if cov is not None:
+        cov.stop()
+        cov.save()
+
+
+def run_session(
+    conn: Connection, rank: int, world_size: int, setup: dict[str, Any], controller: int, warning: str
+) -> None:
+    """The rank's session process: start coverage and a pytest session like the controller's,
+    collect, say ``ready`` (with the collected node ids and parameters, for the controller to
+    compare across ranks), then run each ``("run", spec)`` until ``("end",)`` or the controller
+    going away. After a test that did not pass here, ``gpc`` is destroyed at once (its
+    connections close, so peers waiting for this rank in a collective end too). Returns None;
+    the caller exits the process."""
+    cov = _start_coverage(setup.get("coverage"))
+    plugin = RankPlugin(rank, world_size)
+    session = None
+    store = None
+    zygote = os.getppid()
+    try:
+        for entry in reversed(setup["sys_path"]):
+            if entry not in sys.path:
+                sys.path.insert(0, entry)
+        session = start_session(setup["args"], setup["dir"], setup["basetemp"], plugin)
+        items = collect(session, setup["files"], plugin)
+        _forget_gpc()
+        store = serve_store(world_size, float(setup.get("store_timeout", 600.0))) if rank == 0 else None
+    except BaseException:
+        conn.send(("ready", {"error": traceback.format_exc()}))
+        _end(session, cov)
+        return
+    conn.send(
+        (
+            "ready",
+            {
+                "error": "",
+                "pid": os.getpid(),
+                "port": int(store.port) if store is not None else 0,
+                "items": [(nodeid, params_of(item)) for nodeid, item in items.items()],
+                "warning": warning,
+            },
+        )
+    )
+    while True:
+        while not conn.poll(1.0):
+            if os.getppid() != zygote:
+                _end(session, cov)
+                return
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] != "run":
+            break  # "end"
+        spec = message[1]
+        try:
+            result = _run_one(session, items, plugin, spec, int(spec["port"]))
+        except BaseException:
+            result = _failed(rank, f"rank {rank}: the pool failed to run the test", traceback.format_exc())
+        if result["outcome"] != "passed":
+            _drop_gpc(plugin)  # closes its connections: peers waiting in a collective end too
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send(("result", result))
+    del store
+    _end(session, cov)

@@ -34,12 +34,14 @@ def format_ranks(ranks: list[int] | set[int] | tuple[int, ...]) -> str:
     return f"rank {ordered[0]}" if len(ordered) == 1 else "ranks " + ", ".join(str(r) for r in ordered)
 
 
-def _group(texts: dict[int, str]) -> list[tuple[list[int], str]]:
-    """Ranks with the same text together, in order of the first rank."""
-    groups: dict[str, list[int]] = {}
+def _group(texts: dict[int, str], key: Any = None) -> list[tuple[list[int], str]]:
+    """Ranks with the same text (or the same ``key(text)``) together, in order of the first
+    rank; each group shows its first rank's text."""
+    groups: dict[str, tuple[list[int], str]] = {}
     for rank in sorted(texts):
-        groups.setdefault(texts[rank], []).append(rank)
-    return [(ranks, text) for text, ranks in groups.items()]
+        text = texts[rank]
+        groups.setdefault(key(text) if key else text, ([], text))[0].append(rank)
+    return list(groups.values())
 
 
 def _failure_class(exc_types: set[tuple[str, str] | None]) -> type[RankFailure]:
@@ -86,24 +88,37 @@ def _normalise_stack(text: str) -> str:
 
 
 def root_cause(outcome: RunOutcome) -> tuple[str, int] | None:
-    """The event that started it all: the earliest rank that failed, skipped, called
-    ``pytest.xfail()`` or died. A failure that only says a peer's connection closed counts only
-    when nothing else happened.
+    """The event that decides the verdict: the earliest rank that failed or died; when no rank
+    did, the earliest that skipped or called ``pytest.xfail()``. A failure beats a skip on
+    another rank whenever it happened. A failure that only says a peer's connection closed (a
+    consequence of another rank's skip, failure or death) counts only when nothing else
+    happened.
 
     Returns:
         ``(kind, rank)`` with kind ``failed``, ``skipped``, ``xfailed`` or ``died``; None when no
         rank did any of these (all passed, or some hung).
     """
-    events: list[tuple[bool, float, int, str]] = []
+    events: list[tuple[int, float, int, str]] = []
+    tier = {"failed": 0, "died": 0, "skipped": 1, "xfailed": 1}
     for rank, res in outcome.results.items():
         if res["outcome"] != "passed":
-            events.append((bool(res.get("peer_loss")), float(res.get("time", 0.0)), rank, res["outcome"]))
+            level = 2 if res.get("peer_loss") else tier.get(res["outcome"], 0)
+            events.append((level, float(res.get("time", 0.0)), rank, res["outcome"]))
     for rank in outcome.dead:
-        events.append((False, outcome.dead_at.get(rank, float("inf")), rank, "died"))
+        events.append((0, outcome.dead_at.get(rank, float("inf")), rank, "died"))
     if not events:
         return None
     _, _, rank, kind = min(events)
     return kind, rank
+
+
+_VARYING = re.compile(r"0x[0-9a-fA-F]+|(?<=\]:)\d+")
+
+
+def _same_kind(text: str) -> str:
+    """``text`` with what differs between ranks for the same error (object addresses, port
+    numbers) masked, to group the ranks' messages."""
+    return _VARYING.sub("…", text)
 
 
 def _others(outcome: RunOutcome, skip: set[int]) -> list[str]:
@@ -116,7 +131,7 @@ def _others(outcome: RunOutcome, skip: set[int]) -> list[str]:
             for r, res in outcome.results.items()
             if res["outcome"] == kind and r not in skip
         }
-        for ranks, text in _group(texts):
+        for ranks, text in _group(texts, _same_kind):
             parts.append(f"{format_ranks(ranks)} of {world} {verb}: {text}")
     dead = {r: d for r, d in outcome.dead.items() if r not in skip}
     if dead:
@@ -177,8 +192,13 @@ def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str
     if outcome.broken:
         head.append("(the pool of processes was replaced; the next test runs on fresh ones)")
     body = list(head)
-    texts = {r: res["longrepr"] or res["message"] for r, res in failed.items()}
-    ordered = sorted(_group(texts), key=lambda group: not (set(group[0]) & lead))
+    # a peer's lost connection is summed up in one line above; its traceback says nothing more
+    texts = {
+        r: res["longrepr"] or res["message"]
+        for r, res in failed.items()
+        if r in lead or not res.get("peer_loss")
+    }
+    ordered = sorted(_group(texts, _same_kind), key=lambda group: not (set(group[0]) & lead))
     for ranks, text in ordered:
         body.append("")
         body.append(f"{'_' * 20} {format_ranks(ranks)} {'_' * 20}")

@@ -1,21 +1,25 @@
 """One rank of a test pool: ``python -m parallelctx.testing.worker RANK WORLD CONTROL_PORT STACK_FILE``.
 
-The process connects back to the controller (the pytest process) on 127.0.0.1:CONTROL_PORT and
-proves itself with the token in PARALLELCTX_POOL_TOKEN. The controller first sends
-``("session", spec)``: the process starts a pytest session like the controller's
-(:func:`parallelctx.testing.rank.start_session`) and collects the files that hold parallel
-tests, with torch and every test module imported but nothing initialised: no process group, no
-CUDA, no test run. For each ``("run", spec)`` it forks a child that runs the one test and exits,
-so every test starts from the same pristine process state whatever ran before; the parent only
-waits for the child and says how it ended. SIGUSR1 dumps the Python stacks of every thread to
-STACK_FILE (faulthandler, inherited by the children), which the controller reads when a test
-hangs.
+The process (the rank's *zygote*) connects back to the controller (the pytest process) on
+127.0.0.1:CONTROL_PORT, proves itself with the token in PARALLELCTX_POOL_TOKEN and imports
+torch, pytest and parallelctx. It never runs user code: no conftest, no test module, no
+fixture, no torch op, so it has one thread, no OpenMP pool and no CUDA, and forking it is safe.
 
-Messages on the control connection (the child writes on the parent's connection while the
-parent waits): child -> controller ``("started", pid)``, rank 0's child ``("port", port)``,
-controller -> children of other ranks ``("port", port)``, child ``("result", dict)``,
-controller -> children that passed ``("release",)`` once every rank answered, parent
-``("exited", how, time)``.
+For each ``("fork",)`` it forks a *session child* that does all the user-facing work of the
+rank (:mod:`parallelctx.testing.rank`): starts coverage when the controller measures it,
+starts a pytest session like the controller's (conftests, plugins), collects the files that
+hold parallel tests, and then runs test after test in this one process, as a pytest-xdist
+worker does: session- and module-scoped fixtures are set up once, threads that a conftest
+started keep running, torch's thread pools stay valid. The child lives until the controller
+ends it (``("end",)``: fixtures torn down, coverage saved) or until a test on any rank did not
+pass (it then ends itself after answering, so that its peers' collectives end too); the
+zygote then says how it ended and waits for the next ``("fork",)``. SIGUSR1 dumps the Python
+stacks of every thread to STACK_FILE (faulthandler, inherited by the child).
+
+Messages on the control connection (the session child writes on the zygote's connection while
+the zygote waits): controller -> zygote ``("fork",)``, ``("exit",)``; session child ->
+controller ``("ready", info)``; controller -> session child ``("run", spec)``, ``("end",)``;
+session child -> controller ``("result", dict)``; zygote -> controller ``("exited", how, time)``.
 """
 
 from __future__ import annotations
@@ -31,10 +35,19 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["main", "thread_count"]
 
-#: How often the parent checks that the controller is still there while it waits.
+#: How often a waiting process checks that the controller is still there.
 _WATCH_S = 1.0
+
+
+def thread_count() -> int:
+    """Return the number of threads of this process (native ones too, from /proc; 1 where
+    /proc is missing)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
 
 
 def _describe_status(status: int) -> str:
@@ -45,69 +58,6 @@ def _describe_status(status: int) -> str:
         except ValueError:
             return f"was killed by signal {sig}"
     return f"exited with code {os.waitstatus_to_exitcode(status)}"
-
-
-def _apply_environment(spec: dict[str, Any]) -> None:
-    """This process's environment becomes the controller's at the test's call (plus the pool's
-    own settings); its folder and import path become the controller's."""
-    os.environ.clear()
-    os.environ.update(spec["env"])
-    for entry in reversed(spec["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    if os.getcwd() != spec["cwd"]:
-        os.chdir(spec["cwd"])
-
-
-def _run_child(conn: Connection, spec: dict[str, Any], rank: int, world_size: int, state: Any) -> None:
-    """In the forked child: meet rank 0's store port, run the test's pytest protocol, answer."""
-    from .rank import serve_store
-
-    session, items, plugin = state
-    conn.send(("started", os.getpid()))
-    _apply_environment(spec)
-    store = None
-    if rank == 0:
-        store = serve_store(world_size, spec["timeout"] + 60.0)
-        port = int(store.port)
-        conn.send(("port", port))
-    else:
-        if not conn.poll(spec["timeout"]):
-            raise TimeoutError(f"rank {rank}: no rendezvous port from rank 0 within {spec['timeout']} s")
-        message = conn.recv()
-        port = int(message[1])
-    plugin.begin(spec, port)
-    item = items.get(spec["nodeid"])
-    if item is None:
-        errors = "\n".join(plugin.collect_errors) or "no collection error was reported"
-        result = {
-            "rank": rank,
-            "outcome": "failed",
-            "phase": "setup",
-            "message": f"rank {rank} could not collect {spec['nodeid']}",
-            "longrepr": f"rank {rank} could not collect {spec['nodeid']}:\n{errors}",
-            "exc_type": None,
-            "time": time.time(),
-            "peer_loss": False,
-            "sections": [],
-        }
-    else:
-        capman = session.config.pluginmanager.get_plugin("capturemanager")
-        if capman is not None and capman.is_globally_capturing():
-            capman.resume_global_capture()
-            capman.read_global_capture()  # drop what a killed child left in the capture files
-            capman.suspend_global_capture(in_=False)
-        item.ihook.pytest_runtest_protocol(item=item, nextitem=None)
-        result = plugin.result()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    conn.send(("result", result))
-    # A rank that passed stays (with rank 0's store and its connections) until every rank has
-    # answered: it must not pull the store or a connection from under a slower one. A rank that
-    # failed or skipped leaves at once, so that its peers' collectives end.
-    if result["outcome"] == "passed" and conn.poll(spec["timeout"] + 10.0):
-        conn.recv()
-    del store
 
 
 def _wait_child(pid: int, controller: int) -> int:
@@ -129,17 +79,17 @@ def _wait_child(pid: int, controller: int) -> int:
         os.close(fd)
 
 
-def _forget_gpc() -> None:
-    """A conftest may launch ``gpc`` when the session starts (a world of one, say): destroy it
-    here, so that this process stays without a process group and each test's child launches
-    its own."""
-    from ..context import ParallelMode, gpc
+def _serve(conn: Connection, rank: int, world_size: int, setup: dict[str, Any], controller: int) -> int:
+    from .rank import run_session
 
-    if gpc.is_initialized(ParallelMode.GLOBAL):
-        gpc.destroy()
-
-
-def _serve(conn: Connection, rank: int, world_size: int, state: Any, controller: int) -> int:
+    warning = ""
+    threads = thread_count()
+    if threads > 1:  # nothing here should start one; say so once rather than hang a child
+        warning = (
+            f"pool rank {rank}'s zygote has {threads} threads before it forks its session process "
+            "(something imported at start-up started them); the session process may hang in a lock "
+            "such a thread held"
+        )
     while True:
         while not conn.poll(_WATCH_S):
             if os.getppid() != controller:
@@ -150,16 +100,15 @@ def _serve(conn: Connection, rank: int, world_size: int, state: Any, controller:
             return 1
         if message[0] == "exit":
             return 0
-        if message[0] != "run":
-            continue  # a port or release meant for a child that has already ended
-        spec = message[1]
+        if message[0] != "fork":
+            continue  # meant for a session process that has already ended
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                _run_child(conn, spec, rank, world_size, state)
+                run_session(conn, rank, world_size, setup, controller, warning)
             except BaseException:
                 traceback.print_exc()
                 code = 1
@@ -168,7 +117,7 @@ def _serve(conn: Connection, rank: int, world_size: int, state: Any, controller:
                     sys.stdout.flush()
                     sys.stderr.flush()
                 finally:
-                    os._exit(code)
+                    os._exit(code)  # coverage was saved by run_session; no zygote atexit here
         status = _wait_child(pid, controller)
         conn.send(("exited", _describe_status(status), time.time()))
 
@@ -192,12 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     controller = os.getppid()
 
-    import pytest  # noqa: F401 - warm imports before the first test
+    import pytest  # noqa: F401 - warm imports before the first session
     import torch.distributed  # noqa: F401
 
     import parallelctx  # noqa: F401
 
-    from .rank import RankPlugin, collect, start_session
+    from . import rank as _rank  # noqa: F401
 
     sock = socket.create_connection(("127.0.0.1", control_port), timeout=60)
     sock.settimeout(None)
@@ -209,20 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if message[0] != "session":
         return 1
-    setup = message[1]
-    for entry in reversed(setup["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    plugin = RankPlugin(rank, world_size)
-    try:
-        session = start_session(setup["args"], setup["dir"], setup["basetemp"], plugin)
-        items = collect(session, setup["files"], plugin)
-        _forget_gpc()
-    except BaseException:
-        conn.send(("ready", {"error": traceback.format_exc()}))
-        return 1
-    conn.send(("ready", {"error": "", "collected": len(items)}))
-    return _serve(conn, rank, world_size, (session, items, plugin), controller)
+    return _serve(conn, rank, world_size, message[1], controller)
 
 
 if __name__ == "__main__":
