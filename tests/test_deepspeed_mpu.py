@@ -33,7 +33,17 @@ def _members(group: object) -> list[int]:
     return sorted(int(t) for t in out)
 
 
-@pytest.mark.parallel(world_size=8, layouts=[dict(tensor=2, pipeline=2), dict(tensor=2, context=2)])
+@pytest.mark.parallel(
+    world_size=8,
+    layouts=[
+        dict(tensor=2, pipeline=2),
+        dict(tensor=2, context=2),
+        # InternLM's order (data outermost) and every axis at once, in an order where no group is
+        # a run of neighbouring ranks: DeepSpeed must get gpc's groups, not Megatron's arithmetic
+        dict(tensor=2, pipeline=2, order="tp-pp-dp"),
+        dict(tensor=2, pipeline=2, context=2, order="cp-tp-dp-pp"),
+    ],
+)
 def test_every_getter_answers_from_gpcs_groups() -> None:
     unit = mpu()
     for family, mode in FAMILIES.items():
