@@ -34,7 +34,16 @@ CLIP = 0.05
 def train(stage: int, out: Path, clip: float = 0.0) -> dict:
     """Train 3 steps under ZeRO ``stage`` (gradient norm clipped to ``clip`` when > 0); save a
     DeepSpeed checkpoint; return this rank's record."""
-    model = TPMLP()
+    if stage == 3 and gpc.context.size > 1:
+        # ZeRO-3 partitions (and reduce-scatters) each parameter over the group it was made in,
+        # mpu.get_data_parallel_group() (DATA) unless built under zero.Init with another: with
+        # sequence parallelism that must be DATA_CONTEXT (docs/engines.md)
+        with deepspeed.zero.Init(
+            data_parallel_group=gpc.get_group(ParallelMode.DATA_CONTEXT), dtype=torch.float32
+        ):
+            model = TPMLP()
+    else:
+        model = TPMLP()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
