@@ -76,6 +76,9 @@ def test_before_launch_it_says_so() -> None:
 def test_after_destroy_it_refuses_to_answer() -> None:
     unit = mpu()
     assert unit.get_tensor_model_parallel_world_size() == 2
+    assert repr(unit).startswith("DeepSpeedMPU(")
     gpc.destroy()
     with pytest.raises(NotLaunchedError):
         unit.get_data_parallel_group()
+    # a repr never raises: a log line, a debugger or a traceback's locals may print the object
+    assert repr(unit) == "DeepSpeedMPU(not launched)"
