@@ -50,6 +50,9 @@ class DeepSpeedMPU:
         self._ctx = ctx
 
     def __repr__(self) -> str:
+        # never raises: a log line, a debugger or a traceback's locals may print the object
+        if not self._ctx.is_initialized(M.TENSOR):  # every launch has a (maybe size-1) tensor group
+            return "DeepSpeedMPU(not launched)"
         return f"DeepSpeedMPU({self._ctx.layout.describe()})"
 
     # model parallel: tensor × pipeline (Megatron's meaning, which DeepSpeed follows)
