@@ -1,8 +1,10 @@
 """DeepSpeed interop: the ``mpu`` object ``deepspeed.initialize(..., mpu=...)`` takes, on gpc's groups.
 
 DeepSpeed (0.19.8, the optional extra ``deepspeed``) asks a "model parallel unit" for its groups
-instead of making its own: ZeRO partitions optimizer states, gradients and parameters over the
-sequence-data-parallel group, reduces gradients there, sums gradient norms over the
+instead of making its own: ZeRO-1/2 partition optimizer states and gradients over the
+sequence-data-parallel group and reduce gradients there (ZeRO-3 partitions each parameter over
+the group it was built in: ``get_data_parallel_group()``, unless the model is built under
+``deepspeed.zero.Init(data_parallel_group=...)``; docs/engines.md), sums gradient norms over the
 model-parallel group, broadcasts the model from the first rank of the data group, and names
 its checkpoint files after the model-parallel rank (``mp_rank_XX_model_states.pt``).
 :func:`mpu` answers every one of those questions from gpc:
@@ -48,6 +50,9 @@ class DeepSpeedMPU:
         self._ctx = ctx
 
     def __repr__(self) -> str:
+        # never raises: a log line, a debugger or a traceback's locals may print the object
+        if not self._ctx.is_initialized(M.TENSOR):  # every launch has a (maybe size-1) tensor group
+            return "DeepSpeedMPU(not launched)"
         return f"DeepSpeedMPU({self._ctx.layout.describe()})"
 
     # model parallel: tensor × pipeline (Megatron's meaning, which DeepSpeed follows)
@@ -124,7 +129,7 @@ class DeepSpeedMPU:
         return self._ctx.get_group(M.CONTEXT)
 
     def get_sequence_data_parallel_rank(self) -> int:
-        """This rank's index in its data × context group (where ZeRO partitions and reduces)."""
+        """This rank's index in its data × context group (where ZeRO-1/2 partition and reduce)."""
         return int(self._ctx.get_local_rank(M.DATA_CONTEXT))
 
     def get_sequence_data_parallel_world_size(self) -> int:

@@ -46,11 +46,20 @@ def virtual_size(ctx: Any = None) -> int:
 
     Raises:
         NotLaunchedError: gpc is not launched.
-        ValueError: ``parallel.pipeline.virtual`` is not a positive int; the message names it.
+        ValueError: ``parallel.pipeline.virtual`` is not a positive int, or is absent while another
+            key of ``parallel.pipeline`` names a virtual size (``virtual_stages``, Megatron's
+            ``virtual_pipeline_model_parallel_size``); the message names the key and the fix.
     """
     pipeline = _ctx(ctx).config.parallel.pipeline
     value = getattr(pipeline, "virtual", None)
     if value is None:
+        for key, other in (getattr(pipeline, "model_extra", None) or {}).items():
+            if "virtual" in key.lower():  # e.g. Megatron's virtual_pipeline_model_parallel_size
+                raise ValueError(
+                    f"parallel.pipeline.{key}={other!r} is not read by parallelctx; the number of "
+                    "virtual stages per rank is parallel.pipeline.virtual, e.g. "
+                    f"pipeline=dict(size={pipeline.size}, virtual={other!r})"
+                )
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(

@@ -116,15 +116,18 @@ def serial_weights(
 
 
 def check_equals_serial(
-    mine: dict[str, torch.Tensor], atol: float = 1e-6, clip: float | None = None
+    mine: dict[str, torch.Tensor], atol: float = 1e-6, clip: float | None = None, replicas: int | None = None
 ) -> float:
     """Compare this rank's trained shard with the serial run's; return the largest difference.
+
+    ``replicas`` is the number of ranks that split each global batch (default: gpc's data size).
 
     Raises:
         AssertionError: a weight differs by more than ``atol``, or did not change in training.
     """
     dtype = next(iter(mine.values())).dtype
-    want = shard(serial_weights(gpc.data.size, dtype, clip), gpc.tensor.rank, gpc.tensor.size)
+    replicas = gpc.data.size if replicas is None else replicas
+    want = shard(serial_weights(replicas, dtype, clip), gpc.tensor.rank, gpc.tensor.size)
     start = shard(full_weights(dtype), gpc.tensor.rank, gpc.tensor.size)
     worst = 0.0
     for name, value in mine.items():

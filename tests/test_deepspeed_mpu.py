@@ -33,7 +33,17 @@ def _members(group: object) -> list[int]:
     return sorted(int(t) for t in out)
 
 
-@pytest.mark.parallel(world_size=8, layouts=[dict(tensor=2, pipeline=2), dict(tensor=2, context=2)])
+@pytest.mark.parallel(
+    world_size=8,
+    layouts=[
+        dict(tensor=2, pipeline=2),
+        dict(tensor=2, context=2),
+        # InternLM's order (data outermost) and every axis at once, in an order where no group is
+        # a run of neighbouring ranks: DeepSpeed must get gpc's groups, not Megatron's arithmetic
+        dict(tensor=2, pipeline=2, order="tp-pp-dp"),
+        dict(tensor=2, pipeline=2, context=2, order="cp-tp-dp-pp"),
+    ],
+)
 def test_every_getter_answers_from_gpcs_groups() -> None:
     unit = mpu()
     for family, mode in FAMILIES.items():
@@ -66,6 +76,9 @@ def test_before_launch_it_says_so() -> None:
 def test_after_destroy_it_refuses_to_answer() -> None:
     unit = mpu()
     assert unit.get_tensor_model_parallel_world_size() == 2
+    assert repr(unit).startswith("DeepSpeedMPU(")
     gpc.destroy()
     with pytest.raises(NotLaunchedError):
         unit.get_data_parallel_group()
+    # a repr never raises: a log line, a debugger or a traceback's locals may print the object
+    assert repr(unit) == "DeepSpeedMPU(not launched)"

@@ -5,7 +5,9 @@ and trains a tensor-parallel MLP through ``deepspeed.initialize`` under ZeRO sta
 after 3 SGD steps every rank's shard equals the serial run (fp32, within 1e-6; each rank checks
 its own and raises otherwise), DeepSpeed's data-parallel world is gpc's data group, and DeepSpeed
 names its checkpoint files after gpc's model-parallel rank. Then ZeRO-2 again with tensor=2 ×
-pipeline=2: four model-parallel ranks, four ``mp_rank_XX`` files.
+pipeline=2: four model-parallel ranks, four ``mp_rank_XX`` files; and ZeRO-2 and ZeRO-3 with
+tensor=2 × context=2 in the order "cp-tp-dp-pp": DeepSpeed's sequence parallelism on gpc's context
+group, partitioning and reducing over gpc's data × context group.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any
 
 def test_zero_1_2_3_with_tensor_2_equal_a_serial_run(records: list[list[dict[str, Any]]]) -> None:
     for rank, runs in enumerate(records):
-        assert [r["stage"] for r in runs] == [1, 2, 3, 2, 2]
+        assert [r["stage"] for r in runs] == [1, 2, 3, 2, 2, 2, 3]
         for run in runs[:3]:
             assert run["layout"] == [2, 1, 4]
             assert run["steps"] == 3
@@ -79,3 +81,19 @@ def test_clipping_sums_the_norm_over_gpcs_model_parallel_group(records: list[lis
         run = runs[3]
         assert run["clip"] == 0.05 and run["layout"] == [2, 1, 4]
         assert run["worst"] <= 1e-6
+
+
+def test_sequence_parallel_reduces_over_gpcs_data_context_group(records: list[list[dict[str, Any]]]) -> None:
+    # "cp-tp-dp-pp" on 8 ranks (rank = c + 2t + 4d): DATA_CONTEXT [0,1,4,5] [2,3,6,7]. Each of
+    # the 4 data × context ranks trained on its own rows with its loss over the context size: the
+    # weights equal the serial run on all 16 rows only if DeepSpeed summed over the context ranks
+    # and averaged over the data ranks, i.e. reduced over exactly gpc's DATA_CONTEXT group
+    for rank, runs in enumerate(records):
+        tensor_rank = (rank // 2) % 2
+        for run, stage in zip(runs[5:], (2, 3)):
+            assert run["stage"] == stage and run["order"] == "cp-tp-dp-pp"
+            assert run["layout"] == [2, 1, 2] and run["context"] == 2
+            assert run["tensor_rank"] == tensor_rank and run["sequence_rank"] == rank % 2
+            assert run["dp_world_size"] == 2 and run["seq_dp_world_size"] == 4
+            assert run["partition_ranks"] == ([0, 1, 4, 5] if tensor_rank == 0 else [2, 3, 6, 7])
+            assert run["worst"] <= 1e-6, (rank, run)

@@ -116,3 +116,20 @@ def test_interleaved_1f1b_with_gpcs_virtual_stages_equals_serial() -> None:
 def test_a_bad_virtual_size_is_named() -> None:
     with pytest.raises(ValueError, match=r"parallel.pipeline.virtual=0 must be a positive int"):
         stage_indices()
+
+
+@pytest.mark.parallel(world_size=4, pipeline=dict(size=2, virtual=3))
+def test_interleaved_1f1b_with_three_virtual_stages_on_two_ranks_equals_serial() -> None:
+    # another shape: 6 stages on pipeline 2 × data 2, rank r holds r, r + 2, r + 4
+    rank = gpc.get_local_rank(ParallelMode.PIPELINE)
+    assert num_stages() == 6 and stage_indices() == [rank, rank + 2, rank + 4]
+    _train(ScheduleInterleaved1F1B)
+
+
+@pytest.mark.parallel(world_size=2, pipeline=dict(size=2, virtual_pipeline_model_parallel_size=2))
+def test_a_misnamed_virtual_key_is_refused_not_read_as_one() -> None:
+    # Megatron's name for the setting: silently one stage per rank would be the wrong model cut
+    with pytest.raises(
+        ValueError, match=r"virtual_pipeline_model_parallel_size=2 .*parallel.pipeline.virtual"
+    ):
+        stage_indices()
