@@ -387,3 +387,45 @@ def test_the_dry_run_benchmark_runs_once_at_a_tiny_size() -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| 128 |" in proc.stdout and "Sweep: all 8 ranks" in proc.stdout and "checks passed" in proc.stdout
+
+
+def _limited_memory() -> None:  # a test that fails must not take the shared machine's memory
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))
+
+
+def test_object_collectives_on_a_receiving_rank_leave_the_list_as_it_was(tmp_path: Path) -> None:
+    # Every training script broadcasts its config from rank 0. On the fake backend torch's
+    # broadcast_object_list (and scatter/recv_object_list) read object sizes from an
+    # uninitialised tensor on the receiving ranks and allocate that many bytes.
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+        got = [None, "kept"]
+        dist.broadcast_object_list(got, src=0)
+        print("BCAST", got)
+        out = [None]
+        dist.scatter_object_list(out, None, src=0)
+        print("SCATTER", out)
+        mine = [None]
+        dist.recv_object_list(mine, src=0)
+        print("RECV", mine)
+        gpc.destroy()
+        """,
+    )
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", "16", "--rank", "3", "--json", str(out), str(script)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, preexec_fn=_limited_memory,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "BCAST [None, 'kept']" in proc.stdout
+    assert "SCATTER [None]" in proc.stdout and "RECV [None]" in proc.stdout
+    collectives = json.loads(out.read_text())["collectives"]
+    assert collectives == {"broadcast_object_list": 1, "scatter_object_list": 1, "recv_object_list": 1}
+    assert "recv_object_list does no communication" in proc.stderr
