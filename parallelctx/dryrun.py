@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLLECTIVES",
+    "NOT_FORWARDED",
     "DryRun",
     "GroupCall",
     "SimulatedHosts",
@@ -62,14 +63,22 @@ COLLECTIVES = (
     "isend",
     "monitored_barrier",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
 )
 """The ``torch.distributed`` collectives a dry run logs (once per kind) and counts."""
+
+NOT_FORWARDED = ("broadcast_object_list", "recv_object_list", "scatter_object_list")
+"""Collectives a dry run does not hand to torch: on a receiving rank torch reads the objects'
+sizes from a tensor the fake backend leaves uninitialised and allocates that many bytes (tebibytes,
+or garbage to unpickle). A dry run leaves their output list as it was (``recv_object_list``
+returns ``src``)."""
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__)).removesuffix("c")
 
@@ -338,7 +347,7 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
     collectives of :data:`COLLECTIVES` (counted in ``dry.collectives``; the first of each kind
     logs that a dry run's results are not real). Code that looks the functions up on
     ``torch.distributed`` at call time (``dist.all_reduce``) is seen; functional collectives
-    (DTensor's) are not.
+    (DTensor's) are not. The collectives of :data:`NOT_FORWARDED` are not handed to torch at all.
 
     Returns:
         A function that restores the originals.
@@ -372,6 +381,12 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
                     "parallelctx dry run: torch.distributed.%s does no communication on the fake "
                     "backend; its results are not real (shapes, groups and seeds are; values are not)",
                     kind,
+                )
+            if kind in NOT_FORWARDED:
+                return (
+                    kwargs.get("src", args[1] if len(args) > 1 else None)
+                    if kind == "recv_object_list"
+                    else None
                 )
             return fn(*args, **kwargs)
 
