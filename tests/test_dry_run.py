@@ -429,3 +429,23 @@ def test_object_collectives_on_a_receiving_rank_leave_the_list_as_it_was(tmp_pat
     collectives = json.loads(out.read_text())["collectives"]
     assert collectives == {"broadcast_object_list": 1, "scatter_object_list": 1, "recv_object_list": 1}
     assert "recv_object_list does no communication" in proc.stderr
+
+
+@pytest.mark.parametrize("launcher", ["launch_from_slurm()", "launch_from_openmpi()", "init_dist('slurm')"])
+def test_every_launcher_of_the_script_is_the_dry_run(tmp_path: Path, launcher: str) -> None:
+    # docs/dry_run.md: "every launch in the process is the dry run"; a script written for srun
+    # or mpirun must not need srun's or mpirun's variables on the login node.
+    script = _script(
+        tmp_path,
+        f"""
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.{launcher}
+        print("RANK", gpc.get_global_rank(), gpc.get_world_size("global"), list(gpc.tensor.ranks))
+        """,
+    )
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"parallel": {"tensor": 4}}))
+    proc = _cli("--world-size", 64, "--rank", 13, "--config", cfg, "--quiet", script, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "RANK 13 64 [12, 13, 14, 15]" in proc.stdout
