@@ -449,3 +449,33 @@ def test_every_launcher_of_the_script_is_the_dry_run(tmp_path: Path, launcher: s
     proc = _cli("--world-size", 64, "--rank", 13, "--config", cfg, "--quiet", script, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "RANK 13 64 [12, 13, 14, 15]" in proc.stdout
+
+
+def test_a_relaunch_after_a_dry_run_starts_clean() -> None:
+    # A second simulated launch after destroy() is a new dry run (its report counts its own
+    # new_group calls), and a real launch afterwards is no dry run: gpc.dry_run is None and
+    # record() is a no-op again.
+    code = textwrap.dedent(
+        """
+        import parallelctx
+        from parallelctx import gpc
+        from parallelctx.dryrun import record
+        cfg = dict(parallel=dict(tensor=8, pipeline=16))
+        parallelctx.launch(cfg, simulate=dict(world_size=16384, rank=12345))
+        record("first", 1)
+        first = gpc.dry_run.report()
+        gpc.destroy()
+        parallelctx.launch(cfg, simulate=dict(world_size=16384, rank=12345))
+        second = gpc.dry_run.report()
+        gpc.destroy()
+        print("SECOND", second["new_group_calls"] == first["new_group_calls"], second["launches"], second["values"])
+        parallelctx.launch(rank=0, world_size=1)
+        record("real", 2)
+        print("REAL", gpc.backend, gpc.dry_run)
+        gpc.destroy()
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SECOND True 1 {}" in proc.stdout
+    assert "REAL gloo None" in proc.stdout
