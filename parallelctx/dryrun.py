@@ -428,7 +428,7 @@ def launch_simulated(
         )
     begin = time.perf_counter()
     dry = ctx._dry_run
-    if dry is None or dry.sim != sim:
+    if dry is None or dry.sim != sim or not dry.armed:  # each simulate= launch is a new dry run
         dry = DryRun(sim)
         ctx._dry_run = dry
     ctx.config.parallel.to_layout(sim.world_size)  # LayoutError before any group

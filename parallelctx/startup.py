@@ -145,6 +145,7 @@ def launch(
         raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
     if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
         return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
+    ctx._dry_run = None  # a real launch: an earlier simulate= launch's report goes, record() is a no-op
     # Local checks first. A rank whose checks fail but that can still reach the others (its
     # rank, world size and address are valid) tells them at the rendezvous, so that every
     # rank stops at once instead of waiting for it until the timeout.
