@@ -479,3 +479,37 @@ def test_a_relaunch_after_a_dry_run_starts_clean() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SECOND True 1 {}" in proc.stdout
     assert "REAL gloo None" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        (["--json", "no/such/dir/out.json"], "no/such/dir"),
+        (["--ranks", "0,1", "--rank-timeout", "0"], "--rank-timeout 0"),
+        (["--ranks", "0,1", "--jobs", "0"], "--jobs 0"),
+    ],
+)
+def test_bad_options_stop_before_the_script_runs(tmp_path: Path, options: list[str], named: str) -> None:
+    script = _script(tmp_path, 'print("THE SCRIPT RAN")\n')
+    proc = _cli("--world-size", 16, *options, script, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert "THE SCRIPT RAN" not in proc.stdout
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_json_lands_where_it_was_asked_for_when_the_script_changes_directory(tmp_path: Path) -> None:
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    script = _script(
+        tmp_path,
+        f"""
+        import os
+        import parallelctx
+        os.chdir({str(work)!r})
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+        """,
+    )
+    proc = _cli("--world-size", 16, "--rank", 5, "--json", "out.json", script, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert json.loads((tmp_path / "out.json").read_text())["groups"]["tensor"] == [4, 5]
+    assert not (work / "out.json").exists()
