@@ -261,6 +261,26 @@ def _run_many(args: argparse.Namespace) -> int:
     return 1 if failures or mismatches else 0
 
 
+def _check_options(args: argparse.Namespace) -> None:
+    """Check the options before any script runs; ``args.json`` becomes absolute (the script may
+    change directory).
+
+    Raises:
+        ValueError: a bad ``--jobs``, ``--rank-timeout`` or ``--json`` (the message names it).
+    """
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: run at least 1 rank at a time (default: the CPU count)")
+    if not args.rank_timeout > 0:
+        raise ValueError(f"--rank-timeout {args.rank_timeout:g}: give each rank a positive number of seconds")
+    if args.json:
+        out = Path(args.json).resolve()
+        if not out.parent.is_dir():
+            raise ValueError(f"--json {args.json}: no directory {out.parent}; create it or write elsewhere")
+        if out.is_dir():
+            raise ValueError(f"--json {args.json} is a directory; name a file, e.g. {out / 'report.json'}")
+        args.json = str(out)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the ``dry-run`` command.
 
@@ -273,6 +293,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _simulation(args, args.rank)
+        _check_options(args)
     except ValueError as exc:
         print(f"parallelctx dry-run: {exc}", file=sys.stderr)
         return 2
