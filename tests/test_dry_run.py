@@ -513,3 +513,44 @@ def test_json_lands_where_it_was_asked_for_when_the_script_changes_directory(tmp
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert json.loads((tmp_path / "out.json").read_text())["groups"]["tensor"] == [4, 5]
     assert not (work / "out.json").exists()
+
+
+def test_a_local_group_made_with_positional_arguments_is_no_world_wide_call(tmp_path: Path) -> None:
+    # new_group(ranks, timeout, backend, pg_options, use_local_synchronization): only its
+    # members make it, so the ranks that do not are not skipping a world-wide call.
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+        if gpc.get_global_rank() in (0, 1):
+            dist.new_group([0, 1], None, None, None, True)
+        """,
+    )
+    out = tmp_path / "sweep.json"
+    proc = _cli("--world-size", 4, "--ranks", "all", "--jobs", 2, "--json", out, script, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    call = json.loads(out.read_text())["reports"]["0"]["new_groups"][-1]
+    assert (call["ranks"], call["local"]) == ([0, 1], True)
+
+
+def test_a_gloo_side_group_and_a_monitored_barrier_run_in_a_dry_run(tmp_path: Path) -> None:
+    # Real jobs on NCCL make a gloo group for CPU work and call monitored_barrier; in a dry run
+    # every group is on the fake backend and a barrier returns at once.
+    script = _script(
+        tmp_path,
+        """
+        import torch.distributed as dist
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+        cpu = dist.new_group(backend="gloo")
+        sub = dist.new_group([2, 3], backend="gloo", use_local_synchronization=True)
+        dist.monitored_barrier(group=cpu)
+        print("BACKENDS", dist.get_backend(cpu), dist.get_backend(sub))
+        """,
+    )
+    proc = _cli("--world-size", 16, "--rank", 3, "--quiet", script, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert "BACKENDS fake fake" in proc.stdout
