@@ -554,3 +554,27 @@ def test_a_gloo_side_group_and_a_monitored_barrier_run_in_a_dry_run(tmp_path: Pa
     proc = _cli("--world-size", 16, "--rank", 3, "--quiet", script, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "BACKENDS fake fake" in proc.stdout
+
+
+def test_one_rank_that_hangs_is_stopped_at_rank_timeout_with_its_report(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import time
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+        def wait_for_peers():
+            time.sleep(600)
+        wait_for_peers()
+        """,
+    )
+    out = tmp_path / "out.json"
+    proc = _cli(
+        "--world-size", 16, "--rank", 5, "--rank-timeout", 5, "--json", out, script, cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["groups"]["tensor"] == [4, 5]
+    assert "did not finish within --rank-timeout 5 s" in report["error"]
+    assert "wait_for_peers" in proc.stderr  # where it hung
+    assert "FAILED (did not finish within --rank-timeout 5 s" in proc.stdout
