@@ -18,6 +18,7 @@ mismatch; every message names the ranks.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import runpy
@@ -25,6 +26,7 @@ import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=None, help="sweep: ranks run at a time (default: the CPU count)"
     )
     parser.add_argument(
-        "--rank-timeout", type=float, default=300.0, help="sweep: seconds one rank may take (default 300)"
+        "--rank-timeout", type=float, default=300.0, help="seconds one rank may take (default 300)"
     )
     parser.add_argument("--quiet", action="store_true", help="only the summary line")
     parser.add_argument("script", help="the training script (what torchrun would run)")
@@ -138,7 +140,41 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def _run_single(args: argparse.Namespace) -> int:
+    done = threading.Event()
+    threading.Thread(
+        target=_watchdog, args=(args, done), name="parallelctx-dry-run-watchdog", daemon=True
+    ).start()
     code, report = run_one(args, args.rank)
+    done.set()
+    _emit(args, report)
+    return code
+
+
+def _watchdog(args: argparse.Namespace, done: threading.Event) -> None:
+    """Stop a single-rank dry run still running after ``--rank-timeout``: show where every
+    thread is, write the report so far (``error`` says why) and exit 1."""
+    if done.wait(args.rank_timeout):
+        return
+    from ..context import gpc
+
+    why = f"did not finish within --rank-timeout {args.rank_timeout:g} s (stopped)"
+    sys.stdout.flush()
+    sys.stderr.write(f"parallelctx dry-run: rank {args.rank} {why}; where it was:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    dry = gpc.dry_run
+    report = dry.report() if dry is not None else {"rank": args.rank, "world_size": args.world_size}
+    report.update(exit_code=1, error=why)
+    try:
+        _emit(args, report)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Print a single rank's report (or write it to ``--json``) and its summary line."""
     sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -149,7 +185,6 @@ def _run_single(args: argparse.Namespace) -> int:
         shown = {k: v for k, v in report.items() if k not in ("new_groups", "traceback")}
         print(json.dumps(shown, indent=1))
         print(_summary(report))
-    return code
 
 
 def _child(args: argparse.Namespace, rank: int, folder: Path) -> int:
