@@ -578,3 +578,49 @@ def test_one_rank_that_hangs_is_stopped_at_rank_timeout_with_its_report(tmp_path
     assert "did not finish within --rank-timeout 5 s" in report["error"]
     assert "wait_for_peers" in proc.stderr  # where it hung
     assert "FAILED (did not finish within --rank-timeout 5 s" in proc.stdout
+
+
+def test_sweep_ranks_do_not_outlive_a_killed_sweep(tmp_path: Path) -> None:
+    # CI kills the sweep (SIGKILL, no chance to clean up): its hanging ranks must still stop
+    # within --rank-timeout instead of running on as orphans.
+    import os
+    import signal
+    import time
+
+    script = _script(
+        tmp_path,
+        """
+        import os, time
+        from pathlib import Path
+        import parallelctx
+        parallelctx.launch_from_torch()
+        Path(f"pid{os.getpid()}").touch()
+        time.sleep(600)
+        """,
+    )
+    cmd = [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", "4", "--ranks", "0,1", "--jobs", "2",
+           "--rank-timeout", "4", str(script)]  # fmt: skip
+    sweep = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pids = [int(p.name[3:]) for p in tmp_path.glob("pid*")]
+        assert len(pids) == 2, "the ranks did not start"
+    finally:
+        sweep.kill()
+        sweep.wait(30)
+
+    def alive(pid: int) -> bool:  # a zombie no one reaped yet has stopped
+        try:
+            return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived the sweep"
