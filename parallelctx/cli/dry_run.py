@@ -188,7 +188,15 @@ def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
 
 def _child(args: argparse.Namespace, rank: int, folder: Path) -> int:
-    """In a forked child: output to the rank's log, run the rank, write its report."""
+    """In a forked child: output to the rank's log, run the rank, write its report. The child
+    stops itself when the sweep that forked it is gone or ``--rank-timeout`` (plus a few seconds)
+    has passed, so a killed sweep leaves no rank behind."""
+    threading.Thread(
+        target=_stop_when_orphaned,
+        args=(os.getppid(), args.rank_timeout + 5),
+        name="parallelctx-dry-run-rank",
+        daemon=True,
+    ).start()
     log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -198,6 +206,18 @@ def _child(args: argparse.Namespace, rank: int, folder: Path) -> int:
         code, report = 1, {"rank": rank, "world_size": args.world_size, "exit_code": 1, "error": repr(exc)}
     (folder / f"rank{rank}.json").write_text(json.dumps(report))
     return code
+
+
+def _stop_when_orphaned(parent: int, seconds: float) -> None:
+    """Exit this forked rank (code 1) once ``parent`` is no longer its parent or ``seconds`` have
+    passed; checked every half second."""
+    deadline = time.monotonic() + seconds
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.5)
+    sys.stdout.flush()
+    sys.stderr.write("parallelctx dry-run: the sweep is gone or --rank-timeout passed; this rank stops\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
@@ -212,11 +232,31 @@ def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dic
 
     from .. import context  # noqa: F401
 
-    jobs = max(1, args.jobs or os.cpu_count() or 1)
     folder = Path(tempfile.mkdtemp(prefix="parallelctx-dry-run-"))
     pending = list(reversed(ranks))
     running: dict[int, tuple[int, int, float]] = {}  # pidfd -> (pid, rank, deadline)
     ends: dict[int, str] = {}
+    try:
+        _wait_for_ranks(args, folder, pending, running, ends)
+    except BaseException:  # Ctrl-C or an error here: no rank outlives the sweep
+        for fd, (pid, _, _) in running.items():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(fd)
+        raise
+    return _collect(ranks, folder, ends)
+
+
+def _wait_for_ranks(
+    args: argparse.Namespace,
+    folder: Path,
+    pending: list[int],
+    running: dict[int, tuple[int, int, float]],
+    ends: dict[int, str],
+) -> None:
+    """Fork the pending ranks, ``args.jobs`` at a time, until every one has ended or was killed
+    at its deadline (``ends`` says how each ended)."""
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
     while pending or running:
         while pending and len(running) < jobs:
             rank = pending.pop()
@@ -245,6 +285,12 @@ def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dic
                 ends[rank] = f"exit code {os.waitstatus_to_exitcode(status)}"
             os.close(fd)
             del running[fd]
+
+
+def _collect(
+    ranks: list[int], folder: Path, ends: dict[int, str]
+) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Read the ranks' reports and logs from ``folder``; a failure names the rank."""
     reports: dict[int, dict[str, Any]] = {}
     failures: list[str] = []
     for rank in ranks:
