@@ -236,9 +236,8 @@ def test_sweep_kills_and_names_every_rank_that_hangs(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 1
     failed = [ln for ln in proc.stdout.splitlines() if " failed: " in ln]
-    assert failed == [
-        f"rank {r} failed: did not finish within --rank-timeout 10 s (killed)" for r in range(1, 11)
-    ]
+    assert failed == ["ranks 1-10 (10 ranks) failed: did not finish within --rank-timeout 10 s (killed)"]
+    assert "10 ranks failed" in proc.stdout
 
 
 def test_simulate_launch_in_process_runs_the_bridges_and_restores_torch() -> None:
@@ -624,3 +623,20 @@ def test_sweep_ranks_do_not_outlive_a_killed_sweep(tmp_path: Path) -> None:
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"ranks {left} outlived the sweep"
+
+
+def test_a_sweep_whose_ranks_all_fail_alike_says_so_once(tmp_path: Path) -> None:
+    # A layout that does not fit the world fails every rank the same way: one message naming
+    # the ranks, not one copy (with its log) per rank.
+    script = _script(
+        tmp_path,
+        """
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=8, pipeline=16)))
+        """,
+    )
+    proc = _cli("--world-size", 24, "--ranks", "all", "--jobs", 2, script, cwd=tmp_path, timeout=200)
+    assert proc.returncode == 1
+    failed = [ln for ln in proc.stdout.splitlines() if " failed: " in ln]
+    assert len(failed) == 1 and proc.stdout.count("output ends:") == 1, proc.stdout
+    assert "ranks 0-23 (24 ranks) failed: LayoutError: tensor=8 x pipeline=16" in proc.stdout
