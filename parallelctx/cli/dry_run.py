@@ -290,21 +290,43 @@ def _wait_for_ranks(
 def _collect(
     ranks: list[int], folder: Path, ends: dict[int, str]
 ) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """Read the ranks' reports and logs from ``folder``; a failure names the rank."""
+    """Read the ranks' reports and logs from ``folder``. Ranks that failed with the same error
+    make one failure, which names them all and shows the first one's output."""
     reports: dict[int, dict[str, Any]] = {}
-    failures: list[str] = []
+    alike: dict[str, list[int]] = {}
     for rank in ranks:
         path = folder / f"rank{rank}.json"
-        log = folder / f"rank{rank}.log"
-        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
         if path.exists():
             reports[rank] = json.loads(path.read_text())
-        if rank not in reports or reports[rank].get("exit_code", 0) != 0 or "error" in reports[rank]:
+        if _failed(reports.get(rank)):
             why = reports.get(rank, {}).get("error") or ends.get(rank, "no report")
-            failures.append(
-                f"rank {rank} failed: {why}\n  its output ends:\n    " + tail.replace("\n", "\n    ")
-            )
+            alike.setdefault(why, []).append(rank)
+    failures: list[str] = []
+    for why, failed in alike.items():
+        log = folder / f"rank{failed[0]}.log"
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        who = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {_ranges(failed)} ({len(failed)} ranks)"
+        whose = "its" if len(failed) == 1 else f"rank {failed[0]}'s"
+        failures.append(f"{who} failed: {why}\n  {whose} output ends:\n    " + tail.replace("\n", "\n    "))
     return reports, failures
+
+
+def _failed(report: dict[str, Any] | None) -> bool:
+    return report is None or report.get("exit_code", 0) != 0 or "error" in report
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2, 5, 7-8`` (ascending input)."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
 
 
 def _run_many(args: argparse.Namespace) -> int:
@@ -333,7 +355,7 @@ def _run_many(args: argparse.Namespace) -> int:
             + "\n"
         )
     verdict = "all checks passed" if not (failures or mismatches) else (
-        f"{len(failures)} ranks failed, {len(mismatches)} cross-rank mismatches"
+        f"{sum(_failed(reports.get(r)) for r in ranks)} ranks failed, {len(mismatches)} cross-rank mismatches"
     )  # fmt: skip
     print(
         f"dry-run sweep: {len(ranks)} of {args.world_size} ranks in {took:.1f} s "
