@@ -640,3 +640,22 @@ def test_a_sweep_whose_ranks_all_fail_alike_says_so_once(tmp_path: Path) -> None
     failed = [ln for ln in proc.stdout.splitlines() if " failed: " in ln]
     assert len(failed) == 1 and proc.stdout.count("output ends:") == 1, proc.stdout
     assert "ranks 0-23 (24 ranks) failed: LayoutError: tensor=8 x pipeline=16" in proc.stdout
+
+
+def test_a_script_that_exits_with_a_message_keeps_the_message(tmp_path: Path) -> None:
+    # sys.exit("...") prints the message and exits 1 under torchrun; the dry run must not lose it.
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2)))
+        sys.exit("hidden size 4095 does not divide by tensor 2")
+        """,
+    )
+    out = tmp_path / "out.json"
+    proc = _cli("--world-size", 8, "--rank", 1, "--json", out, script, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "hidden size 4095 does not divide by tensor 2" in proc.stderr
+    assert json.loads(out.read_text())["error"] == "SystemExit: hidden size 4095 does not divide by tensor 2"
+    assert "FAILED (SystemExit: hidden size 4095" in proc.stdout
