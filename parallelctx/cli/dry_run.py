@@ -104,6 +104,9 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:  # sys.exit("message"): Python prints it
+            error = f"SystemExit: {exc.code}"
+            sys.stderr.write(f"{exc.code}\n")
     except BaseException as exc:  # the script's failure is part of the report
         code = 1
         error = f"{type(exc).__name__}: {exc}"
