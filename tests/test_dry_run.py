@@ -659,3 +659,35 @@ def test_a_script_that_exits_with_a_message_keeps_the_message(tmp_path: Path) ->
     assert "hidden size 4095 does not divide by tensor 2" in proc.stderr
     assert json.loads(out.read_text())["error"] == "SystemExit: hidden size 4095 does not divide by tensor 2"
     assert "FAILED (SystemExit: hidden size 4095" in proc.stdout
+
+
+def test_a_sweep_shows_where_a_hanging_rank_was(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import time
+        import parallelctx
+        from parallelctx import gpc
+        parallelctx.launch_from_torch()
+        def wait_for_peers():
+            time.sleep(600)
+        if gpc.get_global_rank() == 1:
+            wait_for_peers()
+        """,
+    )
+    proc = _cli(
+        "--world-size",
+        2,
+        "--ranks",
+        "all",
+        "--jobs",
+        2,
+        "--rank-timeout",
+        6,
+        script,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "rank 1 failed: did not finish within --rank-timeout 6 s (killed)" in proc.stdout
+    assert "in wait_for_peers" in proc.stdout, proc.stdout
