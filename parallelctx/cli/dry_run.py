@@ -203,6 +203,8 @@ def _child(args: argparse.Namespace, rank: int, folder: Path) -> int:
     log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # where the rank is, in its log, shortly before the sweep kills it at --rank-timeout
+    faulthandler.dump_traceback_later(max(args.rank_timeout - 1.0, args.rank_timeout * 0.9), file=2)
     try:
         code, report = run_one(args, rank)
     except BaseException as exc:
