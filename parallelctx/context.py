@@ -751,7 +751,8 @@ class ParallelContext:
     def dry_run(self) -> Any:
         """The :class:`parallelctx.dryrun.DryRun` this process records when it is a dry run
         (``launch(simulate=...)`` or ``parallelctx dry-run``), else None. It outlives
-        :meth:`destroy`, so the report is complete at exit."""
+        :meth:`destroy`, so the report is complete at exit, until the next real launch (which
+        sets it to None); each ``simulate=`` launch starts a new one."""
         return self._dry_run
 
     @property

@@ -15,6 +15,7 @@ synchronization, call site), the collectives called, and the values the script r
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLLECTIVES",
+    "NOT_FORWARDED",
     "DryRun",
     "GroupCall",
     "SimulatedHosts",
@@ -62,14 +64,22 @@ COLLECTIVES = (
     "isend",
     "monitored_barrier",
     "recv",
+    "recv_object_list",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
     "scatter",
     "scatter_object_list",
     "send",
+    "send_object_list",
 )
 """The ``torch.distributed`` collectives a dry run logs (once per kind) and counts."""
+
+NOT_FORWARDED = ("broadcast_object_list", "monitored_barrier", "recv_object_list", "scatter_object_list")
+"""Collectives a dry run does not hand to torch: on a receiving rank torch reads the objects'
+sizes from a tensor the fake backend leaves uninitialised and allocates that many bytes (tebibytes,
+or garbage to unpickle), and ``monitored_barrier`` refuses any backend but gloo. A dry run leaves
+their output list as it was (``recv_object_list`` returns ``src``)."""
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__)).removesuffix("c")
 
@@ -334,11 +344,12 @@ def _call_site() -> str:
 
 
 def install_recorders(dry: DryRun) -> Callable[[], None]:
-    """Wrap ``torch.distributed.new_group`` (each call recorded in ``dry.calls``) and the
+    """Wrap ``torch.distributed.new_group`` (each call recorded in ``dry.calls``; a ``backend=``
+    it names is dropped, so every group is on the dry run's fake backend) and the
     collectives of :data:`COLLECTIVES` (counted in ``dry.collectives``; the first of each kind
     logs that a dry run's results are not real). Code that looks the functions up on
     ``torch.distributed`` at call time (``dist.all_reduce``) is seen; functional collectives
-    (DTensor's) are not.
+    (DTensor's) are not. The collectives of :data:`NOT_FORWARDED` are not handed to torch at all.
 
     Returns:
         A function that restores the originals.
@@ -348,16 +359,25 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
 
     originals: dict[str, Any] = {}
     original_new_group = dist.new_group
+    signature = inspect.signature(original_new_group)
 
     def new_group(*args: Any, **kwargs: Any) -> Any:
-        ranks = kwargs.get("ranks", args[0] if args else None)
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return original_new_group(*args, **kwargs)  # torch's own error for a bad call
+        given = bound.arguments
+        ranks = given.get("ranks")
         members = None if ranks is None else sorted(int(r) for r in ranks)
-        local = bool(kwargs.get("use_local_synchronization", args[5] if len(args) > 5 else False))
-        desc = str(kwargs.get("group_desc") or "")
+        local = bool(given.get("use_local_synchronization", False))
+        desc = str(given.get("group_desc") or "")
         names = getattr(getattr(c10d, "_world", None), "pg_names", None)
         held = len(names) if names is not None else -1
         dry.calls.append(GroupCall(members, local, desc, _call_site(), held))
-        return original_new_group(*args, **kwargs)
+        if given.get("backend") is not None:  # a gloo or nccl group: on the fake backend too
+            given["backend"] = None
+            given.pop("pg_options", None)
+        return original_new_group(*bound.args, **bound.kwargs)
 
     new_group.__wrapped__ = original_new_group  # type: ignore[attr-defined]
     originals["new_group"] = original_new_group
@@ -372,6 +392,12 @@ def install_recorders(dry: DryRun) -> Callable[[], None]:
                     "parallelctx dry run: torch.distributed.%s does no communication on the fake "
                     "backend; its results are not real (shapes, groups and seeds are; values are not)",
                     kind,
+                )
+            if kind in NOT_FORWARDED:
+                return (
+                    kwargs.get("src", args[1] if len(args) > 1 else None)
+                    if kind == "recv_object_list"
+                    else None
                 )
             return fn(*args, **kwargs)
 
@@ -413,7 +439,7 @@ def launch_simulated(
         )
     begin = time.perf_counter()
     dry = ctx._dry_run
-    if dry is None or dry.sim != sim:
+    if dry is None or dry.sim != sim or not dry.armed:  # each simulate= launch is a new dry run
         dry = DryRun(sim)
         ctx._dry_run = dry
     ctx.config.parallel.to_layout(sim.world_size)  # LayoutError before any group

@@ -164,7 +164,10 @@ def _launch_named(
     seed: int | None,
     timeout: int | float | timedelta | None,
 ) -> ParallelContext:
-    """Launch from the variables of the launcher ``name`` of :data:`parallelctx.env.LAUNCHERS`."""
+    """Launch from the variables of the launcher ``name`` of :data:`parallelctx.env.LAUNCHERS`
+    (under ``parallelctx dry-run``: the armed dry run, which needs no launcher variables)."""
+    if _dry_run_armed():
+        return gpc.launch(config, backend=backend, seed=seed, timeout=timeout)
     entry = _env.launcher_named(name)
     found = entry.detect(None, True)
     if found is None:  # a detector called with required=True raises first; kept for type checkers
@@ -268,7 +271,15 @@ def launch_from_env(
             no launcher that set this process's rank.
         Anything :func:`launch` raises.
     """
+    if _dry_run_armed():
+        return gpc.launch(config, backend=backend, seed=seed, timeout=timeout)
     return _launch_found(_env.detect(), config, host, port, backend=backend, seed=seed, timeout=timeout)
+
+
+def _dry_run_armed() -> bool:
+    """True under ``parallelctx dry-run``: every launch of the process is its dry run, whatever
+    launcher the script names (the simulated rank comes from the dry run, not the environment)."""
+    return bool(getattr(gpc.dry_run, "armed", False))
 
 
 @_short_traceback

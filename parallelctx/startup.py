@@ -213,6 +213,7 @@ def launch(
     if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
         return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
     ctx._meetings.settle()  # an earlier refusal of this process, still being told
+    ctx._dry_run = None  # a real launch: an earlier simulate= launch's report goes, record() is a no-op
     ctx._meetings.aborted.clear()  # an abort() from now on stops this launch
     # Local checks first, before any waiting. A rank whose checks fail raises at once; when it
     # can still reach the others (its rank, world size and address are valid) it tells them at

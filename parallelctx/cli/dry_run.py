@@ -18,6 +18,7 @@ mismatch; every message names the ranks.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import runpy
@@ -25,6 +26,7 @@ import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -59,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jobs", type=int, default=None, help="sweep: ranks run at a time (default: the CPU count)"
     )
     parser.add_argument(
-        "--rank-timeout", type=float, default=300.0, help="sweep: seconds one rank may take (default 300)"
+        "--rank-timeout", type=float, default=300.0, help="seconds one rank may take (default 300)"
     )
     parser.add_argument("--quiet", action="store_true", help="only the summary line")
     parser.add_argument("script", help="the training script (what torchrun would run)")
@@ -102,6 +104,9 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:  # sys.exit("message"): Python prints it
+            error = f"SystemExit: {exc.code}"
+            sys.stderr.write(f"{exc.code}\n")
     except BaseException as exc:  # the script's failure is part of the report
         code = 1
         error = f"{type(exc).__name__}: {exc}"
@@ -138,7 +143,41 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def _run_single(args: argparse.Namespace) -> int:
+    done = threading.Event()
+    threading.Thread(
+        target=_watchdog, args=(args, done), name="parallelctx-dry-run-watchdog", daemon=True
+    ).start()
     code, report = run_one(args, args.rank)
+    done.set()
+    _emit(args, report)
+    return code
+
+
+def _watchdog(args: argparse.Namespace, done: threading.Event) -> None:
+    """Stop a single-rank dry run still running after ``--rank-timeout``: show where every
+    thread is, write the report so far (``error`` says why) and exit 1."""
+    if done.wait(args.rank_timeout):
+        return
+    from ..context import gpc
+
+    why = f"did not finish within --rank-timeout {args.rank_timeout:g} s (stopped)"
+    sys.stdout.flush()
+    sys.stderr.write(f"parallelctx dry-run: rank {args.rank} {why}; where it was:\n")
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    dry = gpc.dry_run
+    report = dry.report() if dry is not None else {"rank": args.rank, "world_size": args.world_size}
+    report.update(exit_code=1, error=why)
+    try:
+        _emit(args, report)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """Print a single rank's report (or write it to ``--json``) and its summary line."""
     sys.stdout.flush()
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -149,20 +188,41 @@ def _run_single(args: argparse.Namespace) -> int:
         shown = {k: v for k, v in report.items() if k not in ("new_groups", "traceback")}
         print(json.dumps(shown, indent=1))
         print(_summary(report))
-    return code
 
 
 def _child(args: argparse.Namespace, rank: int, folder: Path) -> int:
-    """In a forked child: output to the rank's log, run the rank, write its report."""
+    """In a forked child: output to the rank's log, run the rank, write its report. The child
+    stops itself when the sweep that forked it is gone or ``--rank-timeout`` (plus a few seconds)
+    has passed, so a killed sweep leaves no rank behind."""
+    threading.Thread(
+        target=_stop_when_orphaned,
+        args=(os.getppid(), args.rank_timeout + 5),
+        name="parallelctx-dry-run-rank",
+        daemon=True,
+    ).start()
     log = os.open(folder / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    # where the rank is, in its log, shortly before the sweep kills it at --rank-timeout
+    faulthandler.dump_traceback_later(max(args.rank_timeout - 1.0, args.rank_timeout * 0.9), file=2)
     try:
         code, report = run_one(args, rank)
     except BaseException as exc:
         code, report = 1, {"rank": rank, "world_size": args.world_size, "exit_code": 1, "error": repr(exc)}
     (folder / f"rank{rank}.json").write_text(json.dumps(report))
     return code
+
+
+def _stop_when_orphaned(parent: int, seconds: float) -> None:
+    """Exit this forked rank (code 1) once ``parent`` is no longer its parent or ``seconds`` have
+    passed; checked every half second."""
+    deadline = time.monotonic() + seconds
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.5)
+    sys.stdout.flush()
+    sys.stderr.write("parallelctx dry-run: the sweep is gone or --rank-timeout passed; this rank stops\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
@@ -177,11 +237,31 @@ def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dic
 
     from .. import context  # noqa: F401
 
-    jobs = max(1, args.jobs or os.cpu_count() or 1)
     folder = Path(tempfile.mkdtemp(prefix="parallelctx-dry-run-"))
     pending = list(reversed(ranks))
     running: dict[int, tuple[int, int, float]] = {}  # pidfd -> (pid, rank, deadline)
     ends: dict[int, str] = {}
+    try:
+        _wait_for_ranks(args, folder, pending, running, ends)
+    except BaseException:  # Ctrl-C or an error here: no rank outlives the sweep
+        for fd, (pid, _, _) in running.items():
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(fd)
+        raise
+    return _collect(ranks, folder, ends)
+
+
+def _wait_for_ranks(
+    args: argparse.Namespace,
+    folder: Path,
+    pending: list[int],
+    running: dict[int, tuple[int, int, float]],
+    ends: dict[int, str],
+) -> None:
+    """Fork the pending ranks, ``args.jobs`` at a time, until every one has ended or was killed
+    at its deadline (``ends`` says how each ended)."""
+    jobs = max(1, args.jobs or os.cpu_count() or 1)
     while pending or running:
         while pending and len(running) < jobs:
             rank = pending.pop()
@@ -210,20 +290,48 @@ def run_sweep(args: argparse.Namespace, ranks: list[int]) -> tuple[dict[int, dic
                 ends[rank] = f"exit code {os.waitstatus_to_exitcode(status)}"
             os.close(fd)
             del running[fd]
+
+
+def _collect(
+    ranks: list[int], folder: Path, ends: dict[int, str]
+) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """Read the ranks' reports and logs from ``folder``. Ranks that failed with the same error
+    make one failure, which names them all and shows the first one's output."""
     reports: dict[int, dict[str, Any]] = {}
-    failures: list[str] = []
+    alike: dict[str, list[int]] = {}
     for rank in ranks:
         path = folder / f"rank{rank}.json"
-        log = folder / f"rank{rank}.log"
-        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
         if path.exists():
             reports[rank] = json.loads(path.read_text())
-        if rank not in reports or reports[rank].get("exit_code", 0) != 0 or "error" in reports[rank]:
+        if _failed(reports.get(rank)):
             why = reports.get(rank, {}).get("error") or ends.get(rank, "no report")
-            failures.append(
-                f"rank {rank} failed: {why}\n  its output ends:\n    " + tail.replace("\n", "\n    ")
-            )
+            alike.setdefault(why, []).append(rank)
+    failures: list[str] = []
+    for why, failed in alike.items():
+        log = folder / f"rank{failed[0]}.log"
+        tail = log.read_text(errors="replace")[-1500:] if log.exists() else ""
+        who = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {_ranges(failed)} ({len(failed)} ranks)"
+        whose = "its" if len(failed) == 1 else f"rank {failed[0]}'s"
+        failures.append(f"{who} failed: {why}\n  {whose} output ends:\n    " + tail.replace("\n", "\n    "))
     return reports, failures
+
+
+def _failed(report: dict[str, Any] | None) -> bool:
+    return report is None or report.get("exit_code", 0) != 0 or "error" in report
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``0-2, 5, 7-8`` (ascending input)."""
+    parts: list[str] = []
+    start = prev = ranks[0]
+    for r in [*ranks[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ", ".join(parts)
 
 
 def _run_many(args: argparse.Namespace) -> int:
@@ -252,13 +360,33 @@ def _run_many(args: argparse.Namespace) -> int:
             + "\n"
         )
     verdict = "all checks passed" if not (failures or mismatches) else (
-        f"{len(failures)} ranks failed, {len(mismatches)} cross-rank mismatches"
+        f"{sum(_failed(reports.get(r)) for r in ranks)} ranks failed, {len(mismatches)} cross-rank mismatches"
     )  # fmt: skip
     print(
         f"dry-run sweep: {len(ranks)} of {args.world_size} ranks in {took:.1f} s "
         f"({max(1, args.jobs or os.cpu_count() or 1)} at a time): {verdict}"
     )
     return 1 if failures or mismatches else 0
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Check the options before any script runs; ``args.json`` becomes absolute (the script may
+    change directory).
+
+    Raises:
+        ValueError: a bad ``--jobs``, ``--rank-timeout`` or ``--json`` (the message names it).
+    """
+    if args.jobs is not None and args.jobs < 1:
+        raise ValueError(f"--jobs {args.jobs}: run at least 1 rank at a time (default: the CPU count)")
+    if not args.rank_timeout > 0:
+        raise ValueError(f"--rank-timeout {args.rank_timeout:g}: give each rank a positive number of seconds")
+    if args.json:
+        out = Path(args.json).resolve()
+        if not out.parent.is_dir():
+            raise ValueError(f"--json {args.json}: no directory {out.parent}; create it or write elsewhere")
+        if out.is_dir():
+            raise ValueError(f"--json {args.json} is a directory; name a file, e.g. {out / 'report.json'}")
+        args.json = str(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -273,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         _simulation(args, args.rank)
+        _check_options(args)
     except ValueError as exc:
         print(f"parallelctx dry-run: {exc}", file=sys.stderr)
         return 2
