@@ -181,4 +181,4 @@ def test_fast_enum_reads_every_name_as_enum_does() -> None:
         repr(ParallelMode.TENSOR) == "<ParallelMode.TENSOR: 'tensor'>"
         and str(ParallelMode.TENSOR) == "tensor"
     )
-    assert ParallelMode.parse("data") is ParallelMode.DATA and len(ParallelMode) == 18
+    assert ParallelMode.parse("data") is ParallelMode.DATA and len(ParallelMode) == 20
