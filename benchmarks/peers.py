@@ -195,7 +195,7 @@ def setup_bridge(tensor: int, pipeline: int) -> Built:
     groups = _distinct_groups(
         [
             getattr(ps, name)
-            for name in sorted(bridge._PRISTINE)
+            for name in sorted(bridge.release.detect().globals)
             if isinstance(getattr(ps, name), dist.ProcessGroup)
         ]
     )

@@ -477,6 +477,37 @@ class Layout:
         grid, axes = self._grid_axes(mode)
         return grid.group_of(axes, rank).tolist()
 
+    def axes_groups(self, grid: str, axes: Iterable[str]) -> list[list[int]]:
+        """Return every group spanning the order-string tokens ``axes`` (``dp`` is the whole
+        data axis) of the ``"dense"`` or ``"expert"`` grid: groups that are no mode's, such as
+        Megatron's tensor × data groups. Rows ascending, sorted by their first member.
+
+        Raises:
+            LayoutError: an unknown grid or token.
+        """
+        g, spanned = self._grid_tokens(grid, axes)
+        return g.group_array(spanned).tolist()
+
+    def axes_group_of(self, grid: str, axes: Iterable[str], rank: int) -> list[int]:
+        """Return the ascending members of the group of :meth:`axes_groups` holding ``rank``.
+
+        Raises:
+            LayoutError: an unknown grid or token, or ``rank`` outside the world.
+        """
+        self._check_rank(rank)
+        g, spanned = self._grid_tokens(grid, axes)
+        return g.group_of(spanned, rank).tolist()
+
+    def _grid_tokens(self, grid: str, axes: Iterable[str]) -> tuple[_Grid, tuple[str, ...]]:
+        if grid not in (_DENSE, _EXPERT):
+            raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
+        spanned: list[str] = []
+        for token in axes:
+            if token not in AXES:
+                raise LayoutError(f"axis token {token!r} must be one of {', '.join(AXES)}")
+            spanned.extend(_DP if token == "dp" else (token,))
+        return (self._dense if grid == _DENSE else self._expert), tuple(spanned)
+
     def local_rank(self, mode: ParallelMode | str, rank: int) -> int:
         """Return the index of ``rank`` in its group of ``mode``.
 

@@ -250,7 +250,7 @@ def test_plan_matches_older_megatron_groups(
         assert sorted(lay.groups(mode)) == sorted(want[token]), token
     # tensor x data x context (the FP8 amax group): every rank of one pipeline stage
     assert sorted(
-        bridge._members(lay, r, ("tp", "dp", "cp")) for r in range(0, world, world // pp)
+        lay.axes_group_of("dense", ("tp", "dp", "cp"), r) for r in range(0, world, world // pp)
     ) == sorted(want["tp-dp-cp"])
 
 
