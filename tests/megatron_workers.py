@@ -191,7 +191,7 @@ def compare_layout(
         "tp-cp": onehot(ps.get_tensor_and_context_parallel_group()),
         "expert-tensor": onehot(ps.get_expert_tensor_parallel_group()),
     }
-    if options.get("create_gloo_process_groups", True):
+    if options.get("create_gloo_process_groups", True) and case.get("gtp", 1) == 1:  # 0.19: none with GTP
         proofs["dp-cp-gloo"] = onehot(ps.get_data_parallel_group_gloo(with_context_parallel=True))
     if options.get("create_all_gather_group"):
         proofs["all-gather"] = onehot(

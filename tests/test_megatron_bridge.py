@@ -93,7 +93,7 @@ if RELEASE.gtp:  # 0.19 on: generalized tensor parallelism, dense and expert
         },
     ]
 # parallel_state's getters and keyword combinations by release (found by inspect in the workers)
-GETTER_COUNTS = {"0.16": (62, 131), "0.19": (70, 165)}
+GETTER_COUNTS = {"0.16": (62, 131), "0.19": (66, 0)}
 LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 2, "order": D}
 
 
@@ -202,9 +202,10 @@ def test_answers_are_the_real_layout(records: list[dict[str, Any]], index: int) 
         assert ours["get_tensor_model_parallel_group(check_initialized=True)"]["group"] == layout.group_of(
             M.TENSOR, r
         )
-        assert ours[
-            "get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"
-        ]["group"] == layout.group_of(M.EXPERT_DATA, r)
+        edp = "get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"
+        if RELEASE.gtp:  # 0.19: with_gtp_remat=False is the plain expert-data group
+            edp = edp.replace("True, ", "True, with_gtp_remat=False, ")
+        assert ours[edp]["group"] == layout.group_of(M.EXPERT_DATA, r)
         tdc = "get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=True)"
         assert ours[tdc]["group"] == _megatron_ranks(case, "tp-dp-cp", r)
         tc = "get_tensor_and_context_parallel_group(check_initialized=True)"
@@ -496,10 +497,30 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
                 bridge.install(**{name: value})
             assert why in str(err.value), (name, str(err.value))
             assert not bridge.is_installed()
+        if RELEASE.gtp:  # 0.19's options: sizes checked against gpc, the sub-world ones refused
+            extra = {
+                "gtp_remat_size": (2, "parallel.gtp_remat=1"),
+                "expert_gtp_remat_size": (2, "parallel.expert.gtp_remat=1"),
+                "rank_offset": (4, "sub-world"),
+                "local_world_size": (4, "whole world"),
+            }
+            for name, (value, why) in extra.items():
+                with pytest.raises(ValueError, match=name) as err:
+                    bridge.install(**{name: value})
+                assert why in str(err.value), (name, str(err.value))
         with pytest.raises(TypeError, match="encoder_tensor_model_parallel_size"):
             bridge.install(encoder_tensor_model_parallel_size=1)
+        # an option of another release is refused as that release's Megatron refuses it
+        other = "create_all_gather_group" if RELEASE.gtp else "gtp_remat_size"
+        with pytest.raises(TypeError, match=f"{other}.*{RELEASE.version}"):
+            bridge.install(**{other: 1})
+        by_release = (
+            dict(gtp_remat_size=1, expert_gtp_remat_size=1, rank_offset=0, local_world_size=1)
+            if RELEASE.gtp
+            else dict(create_all_gather_group=True)
+        )
         # Megatron's defaults, and values equal to gpc's, are accepted by name
-        bridge.install(
+        bridge.install(**by_release,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
             context_parallel_size=1,
@@ -512,11 +533,11 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
             high_priority_stream_groups=[],
             get_embedding_ranks=ps_default("default_embedding_ranks"),
             get_position_embedding_ranks=ps_default("default_position_embedding_ranks"),
-            create_all_gather_group=True,
         )
         from megatron.core import parallel_state as ps
 
-        assert ps.has_separate_all_gather_group()
+        if not RELEASE.gtp:
+            assert ps.has_separate_all_gather_group()
         # Megatron's tracker options: CUDA-graph-safe states are refused by name
         from megatron.core import tensor_parallel
 
