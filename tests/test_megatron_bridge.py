@@ -93,7 +93,7 @@ if RELEASE.gtp:  # 0.19 on: generalized tensor parallelism, dense and expert
         },
     ]
 # parallel_state's getters and keyword combinations by release (found by inspect in the workers)
-GETTER_COUNTS = {"0.16": (62, 131), "0.19": (66, 0)}
+GETTER_COUNTS = {"0.16": (62, 131), "0.19": (66, 156)}
 LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 2, "order": D}
 
 
