@@ -71,7 +71,7 @@ $(STAMP_NEXT): pyproject.toml requirements/constraints.txt
 # The Megatron bridge tests under megatron-core 0.19.2 (the 0.16.1 run is in `make test`).
 test-megatron-next: $(STAMP_NEXT)
 	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_bridge.py \
-		tests/test_megatron_releases.py tests/test_megatron_parity.py
+		tests/test_megatron_gtp.py tests/test_megatron_parallel_state.py
 
 clean:
 	rm -rf $(VENV) $(VENV_NEXT) .pytest_cache build *.egg-info

@@ -693,7 +693,16 @@ def plan(
             values and the fix.
     """
     return Layout(
-        world_size, tensor, pipeline, context, expert, expert_tensor, order, replicate, gtp_remat, expert_gtp_remat
+        world_size,
+        tensor,
+        pipeline,
+        context,
+        expert,
+        expert_tensor,
+        order,
+        replicate,
+        gtp_remat,
+        expert_gtp_remat,
     )
 
 
@@ -768,7 +777,17 @@ def _validated_sizes(
             f"(world_size={world_size} / (expert_tensor x expert x pipeline = {expert_model})); "
             f"choose a replicate size that divides both the data and expert-data sizes"
         )
-    return world_size, tensor, pipeline, context, expert, expert_tensor, replicate, gtp_remat, expert_gtp_remat
+    return (
+        world_size,
+        tensor,
+        pipeline,
+        context,
+        expert,
+        expert_tensor,
+        replicate,
+        gtp_remat,
+        expert_gtp_remat,
+    )
 
 
 def _check_axes_named(layout: Layout) -> None:

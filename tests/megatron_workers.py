@@ -139,7 +139,11 @@ def megatron_init(case: dict[str, Any]) -> None:
         expert_tensor_parallel_size=case["etp"],
         order=case["order"],
         distributed_timeout_minutes=2,
-        **({"gtp_remat_size": case["gtp"], "expert_gtp_remat_size": case.get("egtp", 1)} if "gtp" in case else {}),
+        **(
+            {"gtp_remat_size": case["gtp"], "expert_gtp_remat_size": case.get("egtp", 1)}
+            if "gtp" in case
+            else {}
+        ),
     )
 
 

@@ -252,7 +252,10 @@ def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], in
         wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")}
         if RELEASE.gtp:  # 0.19's groups across gtp_remat
             wanted |= {tuple(_megatron_ranks(case, t, r)) for t in ("gtp_remat-dp", "gtp_remat-dp-cp")}
-            wanted |= {tuple(_megatron_ranks(case, t, r, expert=True)) for t in ("gtp_remat-dp", "tp-ep-gtp_remat-pp")}
+            wanted |= {
+                tuple(_megatron_ranks(case, t, r, expert=True))
+                for t in ("gtp_remat-dp", "tp-ep-gtp_remat-pp")
+            }
         options = case.get("options", {})
         sizes = options.get("hierarchical_context_parallel_sizes", [])
         cp, dp_cp = layout.group_of(ParallelMode.CONTEXT, r), layout.group_of(ParallelMode.DATA_CONTEXT, r)
@@ -426,7 +429,9 @@ def test_world_of_one_install_destroy_and_virtual_pipeline_refusal() -> None:
         gpc.destroy()
     assert not bridge.is_installed() and not ps.is_initialized()
     have = bridge.release.detect().globals
-    assert all(getattr(ps, n) == bridge.release.pristine(n) for n in bridge.release.known_globals() if n in have)
+    assert all(
+        getattr(ps, n) == bridge.release.pristine(n) for n in bridge.release.known_globals() if n in have
+    )
     assert bridge.uninstall() is False
 
 
@@ -520,7 +525,8 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
             else dict(create_all_gather_group=True)
         )
         # Megatron's defaults, and values equal to gpc's, are accepted by name
-        bridge.install(**by_release,
+        bridge.install(
+            **by_release,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
             context_parallel_size=1,

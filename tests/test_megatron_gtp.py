@@ -20,8 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-
-from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import parallel_state as ps
 
 if "gtp_remat" not in inspect.signature(ps.RankGenerator).parameters:
     pytest.skip(
@@ -29,7 +28,7 @@ if "gtp_remat" not in inspect.signature(ps.RankGenerator).parameters:
         allow_module_level=True,
     )
 
-from parallelctx import LayoutError, ParallelMode, plan  # noqa: E402
+from parallelctx import LayoutError, ParallelMode, plan
 
 DENSE, EXPERT = "dense", "expert"
 # parallelctx mode -> (which generator, the token 0.19's initialize_model_parallel passes).
@@ -169,7 +168,12 @@ def test_gtp_remat_group_of_every_rank() -> None:
             layout = plan(16, tensor=2, expert=2, gtp_remat=gtp, expert_gtp_remat=egtp, order=order)
         except LayoutError:
             continue
-        for mode in (ParallelMode.GTP_REMAT, ParallelMode.EXPERT_GTP_REMAT, ParallelMode.MODEL, ParallelMode.DATA):
+        for mode in (
+            ParallelMode.GTP_REMAT,
+            ParallelMode.EXPERT_GTP_REMAT,
+            ParallelMode.MODEL,
+            ParallelMode.DATA,
+        ):
             for group in layout.groups(mode):
                 for rank in group:
                     assert layout.group_of(mode, rank) == group, (gtp, egtp, order, mode, rank)

@@ -210,7 +210,9 @@ def process_groups(**options: Any) -> Any:
     key = Options(hierarchical_cp=opts.hierarchical_cp, gtp=opts.gtp, egtp=opts.egtp)
     if key not in _collections:
         state, found = _build(layout, key)
-        fields = {f: (None if g is None else found[g]) for f, g in COLLECTION_FIELDS.items() if f in release.fields}
+        fields = {
+            f: (None if g is None else found[g]) for f, g in COLLECTION_FIELDS.items() if f in release.fields
+        }
         collection = ProcessGroupCollection(**fields)
         _collections[key] = (collection, state.created)
         gpc.add_destroy_hook(_on_destroy)

@@ -226,5 +226,3 @@ def parse_options(layout: Layout, options: dict[str, Any], release: Release) -> 
         gtp=layout.gtp_remat > 1,
         egtp=layout.expert_gtp_remat > 1,
     )
-
-

@@ -161,8 +161,13 @@ def _set_all_rng_states(cpu: torch.Tensor, cuda: torch.Tensor | None, tracker: d
 _TRACKER = GpcRNGTracker()
 
 # What install() swaps in megatron.core.tensor_parallel.random, and with what.
-SWAPPED = ("CudaRNGStatesTracker", "_CUDA_RNG_STATE_TRACKER", "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
-           "_get_all_rng_states", "_set_all_rng_states")
+SWAPPED = (
+    "CudaRNGStatesTracker",
+    "_CUDA_RNG_STATE_TRACKER",
+    "_CUDA_RNG_STATE_TRACKER_INITIALIZED",
+    "_get_all_rng_states",
+    "_set_all_rng_states",
+)
 
 
 def swap_in() -> dict[str, Any]:

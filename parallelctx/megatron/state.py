@@ -282,8 +282,6 @@ def values(layout: Layout, extra: dict[str, Any], opts: Options) -> dict[str, An
     return v
 
 
-
-
 def sources() -> dict[str, str]:
     """Return, for every ``parallel_state`` global of megatron-core 0.16 to 0.19, where
     :func:`install` takes its value from (the table of docs/migration.md).
@@ -373,4 +371,3 @@ def sources() -> dict[str, str]:
         else:
             out[name] = "None, as Megatron leaves it"
     return out
-
