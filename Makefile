@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean venv-mcore019 test-megatron-next
+.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean venv-mcore019 test-megatron-next bench-megatron-next
 
 venv: $(STAMP)
 
@@ -67,6 +67,10 @@ $(STAMP_NEXT): pyproject.toml requirements/constraints.txt
 	$(VENV_NEXT)/bin/python -c "import site, pathlib; pathlib.Path(site.getsitepackages()[0], 'megatron_core_next.pth').write_text(str(pathlib.Path('$(VENV_NEXT)/mcore').resolve()) + '\\n')"
 	$(VENV_NEXT)/bin/python -c "import megatron.core as m; assert m.__version__.split('+')[0] == '$(MCORE_NEXT)', m.__version__"
 	touch $(STAMP_NEXT)
+
+# gpc + process_groups() against megatron-core 0.19.2's own initialize_model_parallel, 16 ranks
+bench-megatron-next: $(STAMP_NEXT)
+	$(VENV_NEXT)/bin/python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --repeats 3 --sim-world 0
 
 # The Megatron bridge tests under megatron-core 0.19.2 (the 0.16.1 run is in `make test`).
 test-megatron-next: $(STAMP_NEXT)
