@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean venv-mcore019 test-megatron-next bench-megatron-next
+.PHONY: demo test test-faults test-launchers lint bench bench-plugin venv clean venv-mcore019 test-megatron-next bench-megatron-next test-megatron-upstream
 
 venv: $(STAMP)
 
@@ -71,6 +71,13 @@ $(STAMP_NEXT): pyproject.toml requirements/constraints.txt
 # gpc + process_groups() against megatron-core 0.19.2's own initialize_model_parallel, 16 ranks
 bench-megatron-next: $(STAMP_NEXT)
 	$(VENV_NEXT)/bin/python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --repeats 3 --sim-world 0
+
+# Megatron-core's own tests/unit_tests/test_parallel_state.py (tag core_v0.16.1, core_v0.19.0),
+# unchanged, on gpc + the bridge against Megatron's own init, 8 CPU ranks, under both releases.
+# Fetches the file from GitHub (or MEGATRON_LM_TESTS=path); skipped, saying so, without either.
+test-megatron-upstream: $(STAMP) $(STAMP_NEXT)
+	PARALLELCTX_MEGATRON_UPSTREAM=1 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_megatron_upstream.py
+	PARALLELCTX_MEGATRON_UPSTREAM=1 $(VENV_NEXT)/bin/python -m pytest -q -s -p no:cacheprovider tests/test_megatron_upstream.py
 
 # The Megatron bridge tests under megatron-core 0.19.2 (the 0.16.1 run is in `make test`).
 test-megatron-next: $(STAMP_NEXT)
