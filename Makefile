@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-faults test-launchers test-sweeps test-engines venv-engines test-installs lint bench bench-plugin venv clean
+.PHONY: demo test test-faults test-launchers test-sweeps test-engines venv-engines test-installs venv-mcore019 test-megatron-next bench-megatron-next test-megatron-upstream lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -71,5 +71,44 @@ bench: $(STAMP)
 bench-plugin: $(STAMP)
 	$(BIN)/python -m benchmarks.plugin_pool --append-results
 
+# A second test venv with megatron-core 0.19.2 (the newest release; docs/migration.md). Its wheels
+# are tagged for Python 3.12 only, but the package is pure Python and runs on 3.11: download the
+# wheel for 3.12 and put it on the venv's path with a .pth file. megatron-core 0.19 imports triton.
+MCORE_NEXT       := 0.19.2
+VENV_NEXT        := .venv-mcore019
+STAMP_NEXT       := $(VENV_NEXT)/.parallelctx-installed-$(MCORE_NEXT)
+PIP_NEXT         := $(VENV_NEXT)/bin/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
+
+venv-mcore019: $(STAMP_NEXT)
+
+$(STAMP_NEXT): pyproject.toml requirements/constraints.txt
+	test -x $(VENV_NEXT)/bin/python || $(PYTHON) -m venv $(VENV_NEXT)
+	$(PIP_NEXT) torch==2.13.0
+	$(PIP_NEXT) -e '.[test]' triton==3.9.0 'packaging>=24.2'
+	$(VENV_NEXT)/bin/python -m pip uninstall -q -y megatron-core
+	rm -rf $(VENV_NEXT)/mcore $(VENV_NEXT)/wheel && mkdir -p $(VENV_NEXT)/mcore $(VENV_NEXT)/wheel
+	$(VENV_NEXT)/bin/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+		--python-version 3.12 --platform manylinux_2_28_x86_64 -d $(VENV_NEXT)/wheel megatron-core==$(MCORE_NEXT)
+	cd $(VENV_NEXT)/mcore && $(CURDIR)/$(VENV_NEXT)/bin/python -m zipfile -e $(CURDIR)/$(VENV_NEXT)/wheel/megatron_core-$(MCORE_NEXT)-*.whl .
+	$(VENV_NEXT)/bin/python -c "import site, pathlib; pathlib.Path(site.getsitepackages()[0], 'megatron_core_next.pth').write_text(str(pathlib.Path('$(VENV_NEXT)/mcore').resolve()) + '\\n')"
+	$(VENV_NEXT)/bin/python -c "import megatron.core as m; assert m.__version__.split('+')[0] == '$(MCORE_NEXT)', m.__version__"
+	touch $(STAMP_NEXT)
+
+# gpc + process_groups() against megatron-core 0.19.2's own initialize_model_parallel, 16 ranks
+bench-megatron-next: $(STAMP_NEXT)
+	$(VENV_NEXT)/bin/python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --repeats 3 --sim-world 0
+
+# Megatron-core's own tests/unit_tests/test_parallel_state.py (tag core_v0.16.1, core_v0.19.0),
+# unchanged, on gpc + the bridge against Megatron's own init, 8 CPU ranks, under both releases.
+# Fetches the file from GitHub (or MEGATRON_LM_TESTS=path); skipped, saying so, without either.
+test-megatron-upstream: $(STAMP) $(STAMP_NEXT)
+	PARALLELCTX_MEGATRON_UPSTREAM=1 $(BIN)/python -m pytest -q -s -p no:cacheprovider tests/test_megatron_upstream.py
+	PARALLELCTX_MEGATRON_UPSTREAM=1 $(VENV_NEXT)/bin/python -m pytest -q -s -p no:cacheprovider tests/test_megatron_upstream.py
+
+# The Megatron bridge tests under megatron-core 0.19.2 (the 0.16.1 run is in `make test`).
+test-megatron-next: $(STAMP_NEXT)
+	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_bridge.py \
+		tests/test_megatron_gtp.py tests/test_megatron_parallel_state.py
+
 clean:
-	rm -rf $(VENV) $(ENGINES) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(ENGINES) $(VENV_NEXT) .pytest_cache build *.egg-info

@@ -1,6 +1,12 @@
 """Start-up of Megatron-core's ``parallel_state`` through parallelctx against Megatron's own.
 
     python -m benchmarks.megatron_bridge [--worlds 8 16] [--repeats 5] [--sim-world 16384]
+    python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --sim-world 0
+
+With ``--route process_groups`` the parallelctx side is ``launch + parallelctx.megatron.
+process_groups()`` (the ``pg_collection`` route, ``parallel_state`` left alone) and the section
+is written apart; run it with the megatron-core under test (``.venv-mcore019/bin/python`` for
+0.19.2: ``make bench-megatron-next``).
 
 Compares ``launch + parallelctx.megatron.install()`` (config, adopting the default group,
 parallelctx's groups, host count, seeds, then the groups parallelctx lacks and every
@@ -36,34 +42,35 @@ HERE = Path(__file__).resolve().parent
 START, END = sections.markers("megatron_bridge")
 
 
-def _ratio(run: dict[str, Any], key: str) -> tuple[float, float, float]:
+def _ratio(run: dict[str, Any], key: str, lib: str = "bridge") -> tuple[float, float, float]:
     """(median bridge seconds, median Megatron seconds, median of per-round ratios)."""
     ours, theirs, ratios = [], [], []
     for rnd in run["rounds"]:
         by = {rec["lib"]: rec for rec in rnd}
-        ours.append(by["bridge"][key])
+        ours.append(by[lib][key])
         theirs.append(by["megatron"][key])
-        ratios.append(by["bridge"][key] / by["megatron"][key])
+        ratios.append(by[lib][key] / by["megatron"][key])
     return statistics.median(ours), statistics.median(theirs), statistics.median(ratios)
 
 
-def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]]) -> str:
+def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]], lib: str = "bridge") -> str:
     """The markdown section: start-up per world size, then the simulated rank."""
+    ours_name = "launch + install()" if lib == "bridge" else "launch + process_groups()"
     lines = [
         (
-            "| world | layout | launch + install() | initialize_model_parallel | ratio "
+            f"| world | layout | {ours_name} | initialize_model_parallel | ratio "
             "| to first collective: ratio | new_group calls / rank (bridge, Megatron) |"
         ),
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
-        ours, theirs, ratio = _ratio(run, "create_s")
-        _, _, first = _ratio(run, "first_collective_s")
+        ours, theirs, ratio = _ratio(run, "create_s", lib)
+        _, _, first = _ratio(run, "first_collective_s", lib)
         last = {rec["lib"]: rec for rec in run["rounds"][-1]}
         lines.append(
             f"| {run['world_size']} | tp {run['tensor']} pp {run['pipeline']} | {ours * 1e3:.1f} ms "
             f"| {theirs * 1e3:.1f} ms | {ratio:.2f} | {first:.2f} "
-            f"| {last['bridge']['calls_max']}, {last['megatron']['calls_max']} |"
+            f"| {last[lib]['calls_max']}, {last['megatron']['calls_max']} |"
         )
     if sims:
         b, m = sims["bridge"], sims["megatron"]
@@ -89,12 +96,16 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_section(results: Path, body: str, argv: list[str]) -> None:
+def write_section(results: Path, body: str, argv: list[str], lib: str = "bridge") -> None:
     """Put ``body`` between this command's markers in ``results`` (replacing, else appending)."""
+    import megatron.core
+
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    route = "install()" if lib == "bridge" else "process_groups()"
+    version = str(megatron.core.__version__).split("+")[0]
     section = (
-        f"## Megatron-core on parallelctx: `launch + install()` against `initialize_model_parallel`\n\n"
+        f"## Megatron-core {version} on parallelctx: `launch + {route}` against `initialize_model_parallel`\n\n"
         f"Written by `python -m benchmarks.megatron_bridge {' '.join(argv)}` on {now} (load average "
         f"{load} after the run; {os.cpu_count()} CPU cores, gloo). Start-up from a common barrier to "
         "`parallel_state` ready (max over ranks, median of rounds; ratio = median of per-round "
@@ -102,7 +113,7 @@ def write_section(results: Path, body: str, argv: list[str]) -> None:
         "`create_gloo_process_groups=False`, the setting kindest to it. See the module docstring.\n\n"
         f"{body}\n"
     )
-    sections.write_section(results, "megatron_bridge", section)
+    sections.write_section(results, "megatron_bridge" if lib == "bridge" else "megatron_bridge_pgc", section)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sim-repeats", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
+    parser.add_argument("--route", choices=("install", "process_groups"), default="install")
     args = parser.parse_args(argv)
-    args.libs, args.query_calls = "bridge,megatron", 2000
+    lib = "bridge" if args.route == "install" else "bridge_pgc"
+    args.libs, args.query_calls = f"{lib},megatron", 2000
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
@@ -127,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     sims = (
         {lib: sim_run(lib, args.sim_world, args) for lib in ("bridge", "megatron")} if args.sim_world else {}
     )
-    body = table(runs, sims)
+    body = table(runs, sims, lib)
     print(body)
-    write_section(args.results, body, argv)
+    write_section(args.results, body, argv, lib)
     return 0
 
 

@@ -195,7 +195,7 @@ def setup_bridge(tensor: int, pipeline: int) -> Built:
     groups = _distinct_groups(
         [
             getattr(ps, name)
-            for name in sorted(bridge._PRISTINE)
+            for name in sorted(bridge.release.detect().globals)
             if isinstance(getattr(ps, name), dist.ProcessGroup)
         ]
     )
@@ -208,9 +208,39 @@ def setup_bridge(tensor: int, pipeline: int) -> Built:
     return Built(groups, queries, teardown, calls=calls, member_groups=len(groups))
 
 
+def setup_bridge_pgc(tensor: int, pipeline: int) -> Built:
+    """parallelctx launched on the existing default group, as :func:`setup_bridge`, then
+    ``parallelctx.megatron.process_groups()``: the ``ProcessGroupCollection`` Megatron-core
+    models take as ``pg_collection=``, with ``parallel_state`` left alone."""
+    import dataclasses
+
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+
+    gpc.load_config({"parallel": {"tensor": tensor, "pipeline": pipeline}})
+    gpc.init_global_dist(dist.get_rank(), dist.get_world_size())
+    gpc.init_parallel_groups()
+    gpc.detect_num_processes_on_current_node()
+    gpc.set_device()
+    gpc.set_seed()
+    before = len(dist.distributed_c10d._world.pg_names)
+    pgc = bridge.process_groups()
+    calls = gpc.group_creations + len(dist.distributed_c10d._world.pg_names) - before
+    fields = [getattr(pgc, f.name, None) for f in dataclasses.fields(pgc)]
+    groups = _distinct_groups([g for g in fields if isinstance(g, dist.ProcessGroup)])
+    queries = [Query("pgc.tp.rank()", "p.tp.rank()", {"p": pgc})]
+
+    def teardown() -> None:
+        gpc.destroy()  # destroys the groups process_groups() made too
+        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+
+    return Built(groups, queries, teardown, calls=calls, member_groups=len(groups))
+
+
 SETUP: dict[str, Callable[[int, int], Built]] = {
     "parallelctx": setup_parallelctx,
     "megatron": setup_megatron,
     "devicemesh": setup_devicemesh,
     "bridge": setup_bridge,  # parallelctx + parallelctx.megatron.install(): benchmarks/megatron_bridge.py
+    "bridge_pgc": setup_bridge_pgc,  # parallelctx + process_groups(): megatron_bridge.py --route process_groups
 }

@@ -311,11 +311,17 @@ class ExpertConfig(AxisConfig):
     """
 
     tensor: int | None = None
+    gtp_remat: int = 1
 
     @field_validator("tensor", mode="before")
     @classmethod
     def _positive_int_or_none(cls, value: Any) -> int | None:
         return None if value is None else _strict_int(value, "tensor", 1)
+
+    @field_validator("gtp_remat", mode="before")
+    @classmethod
+    def _gtp_positive_int(cls, value: Any) -> int:
+        return _strict_int(value, "gtp_remat", 1)
 
 
 class DataConfig(BaseModel):
@@ -391,13 +397,16 @@ class ParallelConfig(BaseModel):
     expert: ExpertConfig = ExpertConfig()
     data: DataConfig = DataConfig()
     order: StrictStr = DEFAULT_ORDER
+    # Megatron-core 0.19's generalized tensor parallelism (weights sharded over gtp_remat ranks
+    # of distinct data); the expert twin is expert.gtp_remat.
+    gtp_remat: AxisConfig = AxisConfig()
 
     @model_validator(mode="before")
     @classmethod
     def _known_keys(cls, value: Any) -> Any:
         return _only_known_keys("parallel", value, tuple(cls.model_fields))
 
-    @field_validator("tensor", "pipeline", "context", mode="before")
+    @field_validator("tensor", "pipeline", "context", "gtp_remat", mode="before")
     @classmethod
     def _int_or_dict(cls, value: Any, info: Any) -> Any:
         return AxisConfig._coerce(value, info.field_name)
@@ -448,6 +457,8 @@ class ParallelConfig(BaseModel):
             expert_tensor=self.expert.tensor,
             order=self.order,
             replicate=data.replicate,
+            gtp_remat=self.gtp_remat.size,
+            expert_gtp_remat=self.expert.gtp_remat,
         )
         if data.size is not None and data.size != layout.data:
             raise LayoutError(

@@ -70,6 +70,8 @@ class ParallelContext:
     data_shard_context: ModeView
     expert_data_shard: ModeView
     expert_data_replicate: ModeView
+    gtp_remat: ModeView
+    expert_gtp_remat: ModeView
 
     def __init__(self) -> None:
         # Stores, launch counter and adopted group names: kept across destroy() for relaunches.

@@ -22,6 +22,14 @@ so with ``replicate=R`` the ``dp`` token stands for the sub-axes ``dps`` (size `
 expert-data size: expert shard ``ED/R``, expert replicate ``R``. With ``R = 1`` (the default)
 nothing changes. The default order then equals torchtitan's mesh
 ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` read slowest first.
+
+Each grid also has a ``gtp_remat`` axis, Megatron-core 0.19's generalized tensor parallelism
+(weights sharded and rematerialized across ``gtp_remat`` ranks that carry distinct data):
+``parallel.gtp_remat`` in the dense grid, ``parallel.expert.gtp_remat`` in the expert grid, so
+``world = tensor * gtp_remat * context * data * pipeline``. When the order string does not name
+``gtp_remat``, it sits right after ``tp`` in the dense grid and right after ``ep`` in the expert
+grid (after ``tp`` when there is no ``ep``), as Megatron's ``initialize_model_parallel`` places it.
+With both sizes 1 (the default) nothing changes.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ __all__ = [
     "plan",
 ]
 
-AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
+AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp", "gtp_remat")
 """Every token an order string may name."""
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -60,6 +68,7 @@ _AXIS_NAMES = {
     "ep": "expert",
     "dp": "data",
     "pp": "pipeline",
+    "gtp_remat": "gtp_remat",
 }
 
 
@@ -81,6 +90,10 @@ MODE_ALIASES: dict[str, str] = {
     "edp_shard": "expert_data_shard",
     "efsdp": "expert_data_shard",
     "edp_replicate": "expert_data_replicate",
+    # generalized tensor parallelism (megatron-core 0.19), by Megatron's names
+    "gtp": "gtp_remat",
+    "egtp_remat": "expert_gtp_remat",
+    "expt_gtp_remat": "expert_gtp_remat",
 }
 """Other names of modes, accepted wherever a mode is (in any case): the order string's tokens,
 the device meshes' dim names (``dp_shard``, ``edp_replicate``, ...), torchtitan's ``fsdp`` and
@@ -116,6 +129,8 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
     DATA_SHARD_CONTEXT = "data_shard_context"
     EXPERT_DATA_SHARD = "expert_data_shard"
     EXPERT_DATA_REPLICATE = "expert_data_replicate"
+    GTP_REMAT = "gtp_remat"
+    EXPERT_GTP_REMAT = "expert_gtp_remat"
 
     # Hash and print like the plain string, so dict lookups by "tensor" find ParallelMode.TENSOR.
     __hash__ = str.__hash__
@@ -160,6 +175,9 @@ HSDP_MODES: tuple[ParallelMode, ...] = (
 )
 """The modes of the HSDP split of the data axes (``parallel.data=dict(replicate=R)``)."""
 
+GTP_MODES: tuple[ParallelMode, ...] = (ParallelMode.GTP_REMAT, ParallelMode.EXPERT_GTP_REMAT)
+"""The modes of generalized tensor parallelism (``parallel.gtp_remat``, ``parallel.expert.gtp_remat``)."""
+
 # Member lookups (ParallelMode.TENSOR) at plain-attribute speed on Python 3.11.
 speed_up(ParallelMode)
 
@@ -170,12 +188,12 @@ _DENSE, _EXPERT = "dense", "expert"
 # ("dpr", outer) parts.
 _DP = ("dps", "dpr")
 _MODE_AXES: dict[ParallelMode, tuple[str, tuple[str, ...]]] = {
-    ParallelMode.GLOBAL: (_DENSE, ("tp", "cp", *_DP, "pp")),
+    ParallelMode.GLOBAL: (_DENSE, ("tp", "cp", *_DP, "pp", "gtp_remat")),
     ParallelMode.TENSOR: (_DENSE, ("tp",)),
     ParallelMode.PIPELINE: (_DENSE, ("pp",)),
     ParallelMode.DATA: (_DENSE, _DP),
     ParallelMode.CONTEXT: (_DENSE, ("cp",)),
-    ParallelMode.MODEL: (_DENSE, ("tp", "pp")),
+    ParallelMode.MODEL: (_DENSE, ("tp", "gtp_remat", "pp")),
     ParallelMode.DATA_CONTEXT: (_DENSE, (*_DP, "cp")),
     ParallelMode.EXPERT: (_EXPERT, ("ep",)),
     ParallelMode.EXPERT_TENSOR: (_EXPERT, ("tp",)),
@@ -187,6 +205,8 @@ _MODE_AXES: dict[ParallelMode, tuple[str, tuple[str, ...]]] = {
     ParallelMode.DATA_SHARD_CONTEXT: (_DENSE, ("dps", "cp")),
     ParallelMode.EXPERT_DATA_SHARD: (_EXPERT, ("dps",)),
     ParallelMode.EXPERT_DATA_REPLICATE: (_EXPERT, ("dpr",)),
+    ParallelMode.GTP_REMAT: (_DENSE, ("gtp_remat",)),
+    ParallelMode.EXPERT_GTP_REMAT: (_EXPERT, ("gtp_remat",)),
 }
 
 
@@ -213,6 +233,17 @@ def parse_order(order: str) -> tuple[str, ...]:
     if repeated:
         raise LayoutError(f"order={order!r} repeats {', '.join(repeated)}; name each axis once")
     return tokens
+
+
+def place_gtp_remat(tokens: tuple[str, ...], after: str) -> tuple[str, ...]:
+    """Return ``tokens`` with ``gtp_remat`` placed as Megatron-core 0.19 places it: unchanged when
+    named, else right after ``after`` (``"tp"`` for the dense grid, ``"ep"`` for the expert grid),
+    after ``tp`` when ``after`` is not named, first when neither is."""
+    if "gtp_remat" in tokens:
+        return tokens
+    anchor = after if after in tokens else "tp"
+    pos = tokens.index(anchor) + 1 if anchor in tokens else 0
+    return (*tokens[:pos], "gtp_remat", *tokens[pos:])
 
 
 @dataclass(frozen=True)
@@ -303,6 +334,8 @@ class Layout:
     expert_tensor: int | None = None
     order: str = DEFAULT_ORDER
     replicate: int = 1
+    gtp_remat: int = 1
+    expert_gtp_remat: int = 1
     _etp: int = field(init=False, repr=False, compare=False)
     _tokens: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _dense: _Grid = field(init=False, repr=False, compare=False)
@@ -317,39 +350,56 @@ class Layout:
             self.expert,
             self.expert_tensor,
             self.replicate,
+            self.gtp_remat,
+            self.expert_gtp_remat,
         )
         for name, value in zip(
-            ("world_size", "tensor", "pipeline", "context", "expert", "expert_tensor", "replicate"), sizes
+            (
+                "world_size",
+                "tensor",
+                "pipeline",
+                "context",
+                "expert",
+                "expert_tensor",
+                "replicate",
+                "gtp_remat",
+                "expert_gtp_remat",
+            ),
+            sizes,
         ):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_etp", sizes[5])
         _check_axes_named(self)
-        tokens = list(parse_order(self.order))
-        for token in AXES:
-            if token not in tokens:
-                tokens.append(token)
-        object.__setattr__(self, "_tokens", tuple(tokens))
-        # The grids split "dp" into its shard (inner) and replicate (outer) parts.
-        axes = tuple(a for t in tokens for a in (_DP if t == "dp" else (t,)))
+        named = parse_order(self.order)
+        object.__setattr__(self, "_tokens", (*named, *(t for t in AXES if t not in named)))
+
+        def grid_axes(after: str) -> tuple[str, ...]:
+            # Megatron places gtp_remat in the order as given, then appends the axes not named.
+            placed = list(place_gtp_remat(named, after))
+            placed += [t for t in AXES if t not in placed]
+            # The grids split "dp" into its shard (inner) and replicate (outer) parts.
+            return tuple(a for t in placed for a in (_DP if t == "dp" else (t,)))
+
         r = self.replicate
         dense = {"tp": self.tensor, "cp": self.context, "ep": 1, "pp": self.pipeline}
-        dense.update(dps=self.data // r, dpr=r)
+        dense.update(dps=self.data // r, dpr=r, gtp_remat=self.gtp_remat)
         expert = {"tp": self._etp, "cp": 1, "ep": self.expert, "pp": self.pipeline}
-        expert.update(dps=self.expert_data // r, dpr=r)
-        object.__setattr__(self, "_dense", _Grid(axes, tuple(dense[a] for a in axes)))
-        object.__setattr__(self, "_expert", _Grid(axes, tuple(expert[a] for a in axes)))
+        expert.update(dps=self.expert_data // r, dpr=r, gtp_remat=self.expert_gtp_remat)
+        dense_axes, expert_axes = grid_axes("tp"), grid_axes("ep")
+        object.__setattr__(self, "_dense", _Grid(dense_axes, tuple(dense[a] for a in dense_axes)))
+        object.__setattr__(self, "_expert", _Grid(expert_axes, tuple(expert[a] for a in expert_axes)))
         _check_pipelines_coincide(self)
 
     # ----------------------------------------------------------------------------- sizes
     @property
     def data(self) -> int:
-        """The data-parallel size, ``world_size / (tensor * pipeline * context)``."""
-        return self.world_size // (self.tensor * self.pipeline * self.context)
+        """The data-parallel size, ``world_size / (tensor * pipeline * context * gtp_remat)``."""
+        return self.world_size // (self.tensor * self.pipeline * self.context * self.gtp_remat)
 
     @property
     def expert_data(self) -> int:
-        """The expert-data size, ``world_size / (expert_tensor * expert * pipeline)``."""
-        return self.world_size // (self._etp * self.expert * self.pipeline)
+        """The expert-data size, ``world_size / (expert_tensor * expert * pipeline * expert_gtp_remat)``."""
+        return self.world_size // (self._etp * self.expert * self.pipeline * self.expert_gtp_remat)
 
     @property
     def shard(self) -> int:
@@ -427,6 +477,37 @@ class Layout:
         grid, axes = self._grid_axes(mode)
         return grid.group_of(axes, rank).tolist()
 
+    def axes_groups(self, grid: str, axes: Iterable[str]) -> list[list[int]]:
+        """Return every group spanning the order-string tokens ``axes`` (``dp`` is the whole
+        data axis) of the ``"dense"`` or ``"expert"`` grid: groups that are no mode's, such as
+        Megatron's tensor × data groups. Rows ascending, sorted by their first member.
+
+        Raises:
+            LayoutError: an unknown grid or token.
+        """
+        g, spanned = self._grid_tokens(grid, axes)
+        return g.group_array(spanned).tolist()
+
+    def axes_group_of(self, grid: str, axes: Iterable[str], rank: int) -> list[int]:
+        """Return the ascending members of the group of :meth:`axes_groups` holding ``rank``.
+
+        Raises:
+            LayoutError: an unknown grid or token, or ``rank`` outside the world.
+        """
+        self._check_rank(rank)
+        g, spanned = self._grid_tokens(grid, axes)
+        return g.group_of(spanned, rank).tolist()
+
+    def _grid_tokens(self, grid: str, axes: Iterable[str]) -> tuple[_Grid, tuple[str, ...]]:
+        if grid not in (_DENSE, _EXPERT):
+            raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
+        spanned: list[str] = []
+        for token in axes:
+            if token not in AXES:
+                raise LayoutError(f"axis token {token!r} must be one of {', '.join(AXES)}")
+            spanned.extend(_DP if token == "dp" else (token,))
+        return (self._dense if grid == _DENSE else self._expert), tuple(spanned)
+
     def local_rank(self, mode: ParallelMode | str, rank: int) -> int:
         """Return the index of ``rank`` in its group of ``mode``.
 
@@ -458,7 +539,8 @@ class Layout:
     def axis_size(self, axis: str) -> int:
         """Return the size of a coordinate axis: ``tp``, ``cp``, ``dp``, ``pp``,
         ``dp_replicate``, ``dp_shard`` (dense grid) or ``etp``, ``ep``, ``edp``,
-        ``edp_replicate``, ``edp_shard`` (expert grid), the keys of :meth:`coords`.
+        ``edp_replicate``, ``edp_shard`` (expert grid), ``gtp_remat`` (dense) and
+        ``egtp_remat`` (expert), the keys of :meth:`coords`.
 
         Raises:
             LayoutError: an unknown axis name.
@@ -475,6 +557,8 @@ class Layout:
             "dp_shard": self.shard,
             "edp_replicate": self.replicate,
             "edp_shard": self.expert_shard,
+            "gtp_remat": self.gtp_remat,
+            "egtp_remat": self.expert_gtp_remat,
         }
         if axis not in sizes:
             raise LayoutError(f"axis={axis!r} must be one of {', '.join(sizes)}")
@@ -487,7 +571,8 @@ class Layout:
         and ``edp`` the expert-tensor, expert and expert-data coordinates. In each grid
         ``rank == sum(coord * stride)`` with the strides of :meth:`strides`. The data
         coordinates split as ``dp == dp_replicate * shard + dp_shard`` (and ``edp`` likewise
-        into ``edp_replicate`` and ``edp_shard``).
+        into ``edp_replicate`` and ``edp_shard``). ``gtp_remat`` and ``egtp_remat`` are the
+        coordinates on the dense and expert ``gtp_remat`` axes.
 
         Raises:
             LayoutError: ``rank`` outside ``[0, world_size)``.
@@ -507,6 +592,8 @@ class Layout:
             "dp_shard": dense["dps"],
             "edp_replicate": expert["dpr"],
             "edp_shard": expert["dps"],
+            "gtp_remat": dense["gtp_remat"],
+            "egtp_remat": expert["gtp_remat"],
         }
 
     def strides(self, grid: str = "dense") -> dict[str, int]:
@@ -535,10 +622,14 @@ class Layout:
     def shown_modes(self) -> list[ParallelMode]:
         """Return the modes worth showing a reader (``plan``'s table and picture): every mode,
         except the HSDP parts (:data:`HSDP_MODES`) when ``replicate`` is 1, where they repeat
-        DATA, DATA_CONTEXT and EXPERT_DATA or have size 1."""
-        if self.replicate > 1:
-            return self.modes()
-        return [m for m in self.modes() if m not in HSDP_MODES]
+        DATA, DATA_CONTEXT and EXPERT_DATA or have size 1, and the GTP modes
+        (:data:`GTP_MODES`) when both ``gtp_remat`` sizes are 1 (groups of one rank)."""
+        hidden: set[ParallelMode] = set()
+        if self.replicate == 1:
+            hidden.update(HSDP_MODES)
+        if self.gtp_remat == 1 and self.expert_gtp_remat == 1:
+            hidden.update(GTP_MODES)
+        return [m for m in self.modes() if m not in hidden]
 
     def to_dict(self) -> dict[str, list[list[int]]]:
         """Return ``{mode name: groups}`` for every mode, mode names lower-case."""
@@ -555,6 +646,8 @@ class Layout:
             text += f" dp_replicate={self.replicate} dp_shard={self.shard}"
         if self.expert > 1 or self._etp != self.tensor:
             text += f" ep={self.expert} etp={self._etp} edp={self.expert_data}"
+        if self.gtp_remat > 1 or self.expert_gtp_remat > 1:
+            text += f" gtp_remat={self.gtp_remat} egtp_remat={self.expert_gtp_remat}"
         return text + f" order={self.order}"
 
 
@@ -572,6 +665,8 @@ def plan(
     expert_tensor: int | None = None,
     order: str = DEFAULT_ORDER,
     replicate: int = 1,
+    gtp_remat: int = 1,
+    expert_gtp_remat: int = 1,
 ) -> Layout:
     """Compute the rank layout of a world; pure and torch-free.
 
@@ -580,6 +675,10 @@ def plan(
     ``replicate`` splits the data axis for HSDP: replicate (outer) × shard (inner), shard =
     ``data / replicate``; the expert-data axis splits the same way (expert shard =
     ``expert_data / replicate``).
+    ``gtp_remat`` and ``expert_gtp_remat`` are Megatron-core 0.19's generalized tensor
+    parallelism on the dense and expert grids: ``data = world_size / (tensor * pipeline * context
+    * gtp_remat)``, ``expert_data = world_size / (expert_tensor * expert * pipeline *
+    expert_gtp_remat)``; the groups are those of Megatron's ``RankGenerator``.
     ``world_size`` may be at most :data:`MAX_WORLD_SIZE` (2**24 = 16,777,216).
 
     Returns:
@@ -593,7 +692,18 @@ def plan(
             differ from the dense ones (the rules Megatron-core enforces). The message names the
             values and the fix.
     """
-    return Layout(world_size, tensor, pipeline, context, expert, expert_tensor, order, replicate)
+    return Layout(
+        world_size,
+        tensor,
+        pipeline,
+        context,
+        expert,
+        expert_tensor,
+        order,
+        replicate,
+        gtp_remat,
+        expert_gtp_remat,
+    )
 
 
 def _validated_sizes(
@@ -604,7 +714,9 @@ def _validated_sizes(
     expert: Any,
     expert_tensor: Any,
     replicate: Any = 1,
-) -> tuple[int, int, int, int, int, int, int]:
+    gtp_remat: Any = 1,
+    expert_gtp_remat: Any = 1,
+) -> tuple[int, int, int, int, int, int, int, int, int]:
     """The sizes as plain ints, ``expert_tensor`` resolved; raises LayoutError (see :func:`plan`)."""
     expert_tensor = tensor if expert_tensor is None else expert_tensor
     for name, value in (
@@ -615,26 +727,41 @@ def _validated_sizes(
         ("expert", expert),
         ("expert_tensor", expert_tensor),
         ("replicate", replicate),
+        ("gtp_remat", gtp_remat),
+        ("expert_gtp_remat", expert_gtp_remat),
     ):
         _check_size(name, value)
-    world_size, tensor, pipeline, context, expert, expert_tensor, replicate = (
-        int(v) for v in (world_size, tensor, pipeline, context, expert, expert_tensor, replicate)
+    world_size, tensor, pipeline, context, expert, expert_tensor, replicate, gtp_remat, expert_gtp_remat = (
+        int(v)
+        for v in (
+            world_size,
+            tensor,
+            pipeline,
+            context,
+            expert,
+            expert_tensor,
+            replicate,
+            gtp_remat,
+            expert_gtp_remat,
+        )
     )
     if world_size > MAX_WORLD_SIZE:
         raise LayoutError(
             f"world_size={world_size} is larger than the largest world parallelctx plans, "
             f"MAX_WORLD_SIZE={MAX_WORLD_SIZE} (2**24); use at most {MAX_WORLD_SIZE} ranks"
         )
-    model = tensor * pipeline * context
+    model = tensor * pipeline * context * gtp_remat
     if world_size % model:
+        gtp = f" x gtp_remat={gtp_remat}" if gtp_remat > 1 else ""
         raise LayoutError(
-            f"tensor={tensor} x pipeline={pipeline} x context={context} = {model} does not divide "
+            f"tensor={tensor} x pipeline={pipeline} x context={context}{gtp} = {model} does not divide "
             f"world_size={world_size}; choose sizes whose product divides the world size"
         )
-    expert_model = expert_tensor * expert * pipeline
+    expert_model = expert_tensor * expert * pipeline * expert_gtp_remat
     if world_size % expert_model:
+        egtp = f" x expert_gtp_remat={expert_gtp_remat}" if expert_gtp_remat > 1 else ""
         raise LayoutError(
-            f"expert_tensor={expert_tensor} x expert={expert} x pipeline={pipeline} = "
+            f"expert_tensor={expert_tensor} x expert={expert} x pipeline={pipeline}{egtp} = "
             f"{expert_model} does not divide world_size={world_size}; choose expert, expert_tensor "
             f"and pipeline sizes whose product divides the world size"
         )
@@ -650,7 +777,17 @@ def _validated_sizes(
             f"(world_size={world_size} / (expert_tensor x expert x pipeline = {expert_model})); "
             f"choose a replicate size that divides both the data and expert-data sizes"
         )
-    return world_size, tensor, pipeline, context, expert, expert_tensor, replicate
+    return (
+        world_size,
+        tensor,
+        pipeline,
+        context,
+        expert,
+        expert_tensor,
+        replicate,
+        gtp_remat,
+        expert_gtp_remat,
+    )
 
 
 def _check_axes_named(layout: Layout) -> None:

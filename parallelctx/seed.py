@@ -79,6 +79,8 @@ STREAM_SLOTS: dict[Any, int] = {
     ParallelMode.DATA_SHARD_CONTEXT: 15,
     ParallelMode.EXPERT_DATA_SHARD: 16,
     ParallelMode.EXPERT_DATA_REPLICATE: 17,
+    ParallelMode.GTP_REMAT: 18,
+    ParallelMode.EXPERT_GTP_REMAT: 19,
     REPLICA: 64,
 }
 
@@ -90,7 +92,8 @@ STREAM_AXES: dict[Any, tuple[str, ...]] = {
     ParallelMode.PIPELINE: ("pp",),
     ParallelMode.DATA: ("pp",),
     ParallelMode.CONTEXT: ("pp", "cp"),
-    ParallelMode.MODEL: ("pp", "tp"),
+    # gtp_remat: an axis of size 1 leaves the index, hence every seed, as it was before it
+    ParallelMode.MODEL: ("pp", "tp", "gtp_remat"),
     ParallelMode.DATA_CONTEXT: ("pp",),
     ParallelMode.EMBEDDING: ("pp",),
     ParallelMode.EXPERT: ("pp", "ep", "etp"),
@@ -104,7 +107,10 @@ STREAM_AXES: dict[Any, tuple[str, ...]] = {
     ParallelMode.DATA_SHARD_CONTEXT: ("pp",),
     ParallelMode.EXPERT_DATA_SHARD: ("pp",),
     ParallelMode.EXPERT_DATA_REPLICATE: ("pp",),
-    REPLICA: ("pp", "dp"),
+    # generalized tensor parallelism: each weight shard (and the ranks' distinct data) its own
+    ParallelMode.GTP_REMAT: ("pp", "tp", "gtp_remat"),
+    ParallelMode.EXPERT_GTP_REMAT: ("pp", "ep", "etp", "egtp_remat"),
+    REPLICA: ("pp", "dp", "gtp_remat"),
 }
 
 SLOT_SPACING = MAX_WORLD_SIZE

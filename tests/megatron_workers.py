@@ -116,6 +116,9 @@ def config(case: dict[str, Any]) -> dict[str, Any]:
         "expert": {"size": case["ep"], "tensor": case["etp"]},
         "order": case["order"],
     }
+    if "gtp" in case:  # megatron-core 0.19's generalized tensor parallelism
+        parallel["gtp_remat"] = case["gtp"]
+        parallel["expert"]["gtp_remat"] = case.get("egtp", 1)
     return {"parallel": parallel, "dist": {"timeout": 120, "backend": "gloo"}, "seed": 1234}
 
 
@@ -136,12 +139,23 @@ def megatron_init(case: dict[str, Any]) -> None:
         expert_tensor_parallel_size=case["etp"],
         order=case["order"],
         distributed_timeout_minutes=2,
+        **(
+            {"gtp_remat_size": case["gtp"], "expert_gtp_remat_size": case.get("egtp", 1)}
+            if "gtp" in case
+            else {}
+        ),
     )
+
+
+def _release_globals() -> list[str]:
+    """The parallel_state globals of the installed release that the bridge fills."""
+    have = bridge.release.detect().globals
+    return [n for n in bridge.release.known_globals() if n in have]
 
 
 def non_pristine() -> list[str]:
     """parallel_state globals that differ from their import-time value."""
-    return [n for n, f in bridge._PRISTINE.items() if getattr(ps, n) != f()]
+    return [n for n in _release_globals() if getattr(ps, n) != bridge.release.pristine(n)]
 
 
 def compare_layout(
@@ -159,7 +173,7 @@ def compare_layout(
     relaunch(case)
     options = case.get("options", {})
     # the pg_collection route: no install, parallel_state left alone
-    globals_before = {name: getattr(ps, name) for name in bridge._PRISTINE}
+    globals_before = {name: getattr(ps, name) for name in _release_globals()}
     pgc = bridge.process_groups(**options)
     groups_after_first = len(dist.distributed_c10d._world.pg_names)
     our_collection = collection(pgc)
@@ -181,7 +195,7 @@ def compare_layout(
         "tp-cp": onehot(ps.get_tensor_and_context_parallel_group()),
         "expert-tensor": onehot(ps.get_expert_tensor_parallel_group()),
     }
-    if options.get("create_gloo_process_groups", True):
+    if options.get("create_gloo_process_groups", True) and case.get("gtp", 1) == 1:  # 0.19: none with GTP
         proofs["dp-cp-gloo"] = onehot(ps.get_data_parallel_group_gloo(with_context_parallel=True))
     if options.get("create_all_gather_group"):
         proofs["all-gather"] = onehot(
@@ -201,7 +215,7 @@ def compare_layout(
         "non_pristine": non_pristine(),
         "installed": bridge.is_installed(),
         "is_initialized": ps.is_initialized(),
-        "tracker_is_ours": tensor_parallel.random._CUDA_RNG_STATE_TRACKER is bridge._TRACKER,
+        "tracker_is_ours": tensor_parallel.random._CUDA_RNG_STATE_TRACKER is bridge.rng._TRACKER,
         "created_alive": sum(1 for g in created if g in registry),
     }
     restored_collections = len(bridge._collections)

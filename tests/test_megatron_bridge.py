@@ -25,7 +25,9 @@ from megatron_workers import run
 import parallelctx
 from parallelctx import ParallelMode, plan
 from parallelctx.launch import free_port
-from parallelctx.megatron import COLLECTION_FIELDS
+from parallelctx.megatron import release as _release
+
+RELEASE = _release.detect()
 
 WORLD = 8
 D = "tp-cp-ep-dp-pp"
@@ -72,6 +74,26 @@ CASES: list[dict[str, Any]] = [
     },
     {"name": "tp4_cp2_world", "tp": 4, "pp": 1, "cp": 2, "ep": 2, "etp": 4, "order": P},
 ]
+if "create_all_gather_group" not in RELEASE.options:  # 0.18 on: create_all_gather_groups() instead
+    del CASES[4]["options"]["create_all_gather_group"]
+if RELEASE.gtp:  # 0.19 on: generalized tensor parallelism, dense and expert
+    CASES += [
+        {"name": "gtp2", "tp": 2, "pp": 1, "cp": 1, "ep": 1, "etp": 2, "order": D, "gtp": 2},
+        {
+            "name": "gtp2_egtp2_expert",
+            "tp": 1,
+            "pp": 2,
+            "cp": 1,
+            "ep": 2,
+            "etp": 1,
+            "order": D,
+            "gtp": 2,
+            "egtp": 2,
+            "uninstall_by": "uninstall",
+        },
+    ]
+# parallel_state's getters and keyword combinations by release (found by inspect in the workers)
+GETTER_COUNTS = {"0.16": (62, 131), "0.19": (66, 156)}
 LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 2, "order": D}
 
 
@@ -103,17 +125,29 @@ def _layout(case: dict[str, Any]) -> Any:
         expert=case["ep"],
         expert_tensor=case["etp"],
         order=case["order"],
+        gtp_remat=case.get("gtp", 1),
+        expert_gtp_remat=case.get("egtp", 1),
     )
 
 
-def _megatron_ranks(case: dict[str, Any], token: str, rank: int) -> list[int]:
-    """The group of ``rank`` for ``token`` from Megatron's pure RankGenerator (dense grid)."""
-    from megatron.core.parallel_state import RankGenerator
+def _megatron_ranks(case: dict[str, Any], token: str, rank: int, expert: bool = False) -> list[int]:
+    """The group of ``rank`` for ``token`` from the installed release's pure RankGenerator
+    (dense grid, or the expert grid), with gtp_remat placed as its initialize_model_parallel does.
+    On 0.19 the tensor × data tokens span gtp_remat, as its initialize_model_parallel asks."""
+    from megatron.core import parallel_state as ps
 
-    dp = WORLD // (case["tp"] * case["pp"] * case["cp"])
-    gen = RankGenerator(
-        tp=case["tp"], ep=1, dp=dp, pp=case["pp"], cp=case["cp"], order=case["order"], rank_offset=0
-    )
+    gtp = {"gtp_remat": case.get("egtp" if expert else "gtp", 1)} if RELEASE.gtp else {}
+    order = case["order"]
+    if RELEASE.gtp:
+        order = ps._inject_gtp_remat_axis(order, after="ep" if expert else "tp")
+        token = {"tp-dp-cp": "tp-gtp_remat-dp-cp", "tp-dp": "tp-gtp_remat-dp"}.get(token, token)
+    gtp_size = gtp.get("gtp_remat", 1)
+    if expert:
+        edp = WORLD // (case["etp"] * case["ep"] * case["pp"] * gtp_size)
+        gen = ps.RankGenerator(tp=case["etp"], ep=case["ep"], dp=edp, pp=case["pp"], cp=1, order=order, **gtp)
+    else:
+        dp = WORLD // (case["tp"] * case["pp"] * case["cp"] * gtp_size)
+        gen = ps.RankGenerator(tp=case["tp"], ep=1, dp=dp, pp=case["pp"], cp=case["cp"], order=order, **gtp)
     return next(g for g in gen.get_ranks(token) if rank in g)
 
 
@@ -134,8 +168,9 @@ def test_getters_are_discovered(records: list[dict[str, Any]]) -> None:
         "get_virtual_pipeline_model_parallel_world_size",
     ):
         assert name in getters, name
-    assert len(getters) == 62, sorted(getters)  # megatron-core 0.16.1
-    assert calls == 131  # every keyword combination
+    n_getters, n_calls = GETTER_COUNTS[RELEASE.version.rsplit(".", 1)[0]]
+    assert len(getters) == n_getters, sorted(getters)
+    assert calls == n_calls  # every keyword combination
     assert set(excluded) >= {
         "initialize_model_parallel",
         "destroy_model_parallel",
@@ -167,9 +202,10 @@ def test_answers_are_the_real_layout(records: list[dict[str, Any]], index: int) 
         assert ours["get_tensor_model_parallel_group(check_initialized=True)"]["group"] == layout.group_of(
             M.TENSOR, r
         )
-        assert ours[
-            "get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"
-        ]["group"] == layout.group_of(M.EXPERT_DATA, r)
+        edp = "get_expert_data_parallel_group(check_initialized=True, partial_expert_data_parallel=False)"
+        if RELEASE.gtp:  # 0.19: with_gtp_remat=False is the plain expert-data group
+            edp = edp.replace("True, ", "True, with_gtp_remat=False, ")
+        assert ours[edp]["group"] == layout.group_of(M.EXPERT_DATA, r)
         tdc = "get_tensor_and_data_parallel_group(check_initialized=True, with_context_parallel=True)"
         assert ours[tdc]["group"] == _megatron_ranks(case, "tp-dp-cp", r)
         tc = "get_tensor_and_context_parallel_group(check_initialized=True)"
@@ -195,7 +231,9 @@ def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], ind
         options = case.get("options", {})
         dp_cp = [int(i in _megatron_ranks(case, "dp-cp", r)) for i in range(WORLD)]
         assert proofs.get("dp-cp-gloo", dp_cp) == dp_cp
-        assert ("dp-cp-gloo" in proofs) is options.get("create_gloo_process_groups", True)
+        # Megatron 0.19 makes no gloo groups with gtp_remat > 1
+        gloo = options.get("create_gloo_process_groups", True) and case.get("gtp", 1) == 1
+        assert ("dp-cp-gloo" in proofs) is gloo
         if options.get("create_all_gather_group"):
             assert proofs["all-gather"] == dp_cp
         hcp = options.get("hierarchical_context_parallel_sizes", [])
@@ -212,13 +250,19 @@ def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], in
         r, found = rec["rank"], rec["cases"][index]
         existing = {tuple(layout.group_of(m, r)) for m in ParallelMode if layout.group_of(m, r)}
         wanted = {tuple(_megatron_ranks(case, t, r)) for t in ("tp-dp-cp", "tp-dp", "tp-cp")}
+        if RELEASE.gtp:  # 0.19's groups across gtp_remat
+            wanted |= {tuple(_megatron_ranks(case, t, r)) for t in ("gtp_remat-dp", "gtp_remat-dp-cp")}
+            wanted |= {
+                tuple(_megatron_ranks(case, t, r, expert=True))
+                for t in ("gtp_remat-dp", "tp-ep-gtp_remat-pp")
+            }
         options = case.get("options", {})
         sizes = options.get("hierarchical_context_parallel_sizes", [])
         cp, dp_cp = layout.group_of(ParallelMode.CONTEXT, r), layout.group_of(ParallelMode.DATA_CONTEXT, r)
         for level in range(len(sizes)):  # Megatron's levels: a reused group where members agree
-            wanted |= {tuple(g) for g in bridge._hierarchical_rows(cp, sizes, level) if r in g}
+            wanted |= {tuple(g) for g in bridge.state._hierarchical_rows(cp, sizes, level) if r in g}
         if options.get("hybrid_context_parallel"):
-            wanted |= {tuple(g) for rows in bridge._hybrid_rows(dp_cp).values() for g in rows if r in g}
+            wanted |= {tuple(g) for rows in bridge.state._hybrid_rows(dp_cp).values() for g in rows if r in g}
         wanted -= existing
         expected = (
             len(wanted) + (0 if (r,) in existing else 1) + int(bool(options.get("create_all_gather_group")))
@@ -302,7 +346,7 @@ def test_forced_tracker_reset_keeps_gpc_checkpoint_replaying_it(records: list[di
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
 def test_process_groups_equal_use_mpu_process_groups(records: list[dict[str, Any]], index: int) -> None:
     # Every field of the collection, by members, None where Megatron leaves it unset.
-    fields = set(COLLECTION_FIELDS)
+    fields = set(RELEASE.fields)  # the installed release's ProcessGroupCollection
     for rec in records:
         found = rec["cases"][index]
         theirs, ours = found["their_collection"], found["our_collection"]
@@ -384,7 +428,10 @@ def test_world_of_one_install_destroy_and_virtual_pipeline_refusal() -> None:
     finally:
         gpc.destroy()
     assert not bridge.is_installed() and not ps.is_initialized()
-    assert all(getattr(ps, n) == f() for n, f in bridge._PRISTINE.items())
+    have = bridge.release.detect().globals
+    assert all(
+        getattr(ps, n) == bridge.release.pristine(n) for n in bridge.release.known_globals() if n in have
+    )
     assert bridge.uninstall() is False
 
 
@@ -455,10 +502,31 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
                 bridge.install(**{name: value})
             assert why in str(err.value), (name, str(err.value))
             assert not bridge.is_installed()
+        if RELEASE.gtp:  # 0.19's options: sizes checked against gpc, the sub-world ones refused
+            extra = {
+                "gtp_remat_size": (2, "parallel.gtp_remat=1"),
+                "expert_gtp_remat_size": (2, "parallel.expert.gtp_remat=1"),
+                "rank_offset": (4, "sub-world"),
+                "local_world_size": (4, "whole world"),
+            }
+            for name, (value, why) in extra.items():
+                with pytest.raises(ValueError, match=name) as err:
+                    bridge.install(**{name: value})
+                assert why in str(err.value), (name, str(err.value))
         with pytest.raises(TypeError, match="encoder_tensor_model_parallel_size"):
             bridge.install(encoder_tensor_model_parallel_size=1)
+        # an option of another release is refused as that release's Megatron refuses it
+        other = "create_all_gather_group" if RELEASE.gtp else "gtp_remat_size"
+        with pytest.raises(TypeError, match=f"{other}.*{RELEASE.version}"):
+            bridge.install(**{other: 1})
+        by_release = (
+            dict(gtp_remat_size=1, expert_gtp_remat_size=1, rank_offset=0, local_world_size=1)
+            if RELEASE.gtp
+            else dict(create_all_gather_group=True)
+        )
         # Megatron's defaults, and values equal to gpc's, are accepted by name
         bridge.install(
+            **by_release,
             tensor_model_parallel_size=1,
             pipeline_model_parallel_size=1,
             context_parallel_size=1,
@@ -471,11 +539,11 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
             high_priority_stream_groups=[],
             get_embedding_ranks=ps_default("default_embedding_ranks"),
             get_position_embedding_ranks=ps_default("default_position_embedding_ranks"),
-            create_all_gather_group=True,
         )
         from megatron.core import parallel_state as ps
 
-        assert ps.has_separate_all_gather_group()
+        if not RELEASE.gtp:
+            assert ps.has_separate_all_gather_group()
         # Megatron's tracker options: CUDA-graph-safe states are refused by name
         from megatron.core import tensor_parallel
 

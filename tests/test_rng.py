@@ -243,6 +243,8 @@ def test_seeds_are_pinned() -> None:
         "data_shard_context": [251659474, 251659474, 251659475, 251659475],
         "expert_data_shard": [268436690, 268436690, 268436691, 268436691],
         "expert_data_replicate": [285213906, 285213906, 285213907, 285213907],
+        "gtp_remat": [301991122, 301991123, 301991125, 301991125],
+        "expert_gtp_remat": [318768338, 318768339, 318768345, 318768345],
         "replica": [1073743058, 1073743059, 1073743060, 1073743061],
     }
     got = {str(k): [mode_seed(layout, r, k, 1234) for r in (0, 5, 11, 15)] for k in STREAMS}

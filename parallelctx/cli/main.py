@@ -2,6 +2,7 @@
 
 parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert N]
                  [--expert-tensor N] [--replicate R] [--shard S] [--order S]
+                 [--gtp-remat N] [--expert-gtp-remat N]
                  [--config FILE] [--nproc-per-node G]
                  [--nodes N] [--json] [--output FILE] [--png FILE] [--svg FILE]
 parallelctx check [--config FILE] [--sizes 4KiB,1MiB,16MiB] [--json]   under a launcher
@@ -95,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--shard", type=int, default=None, help="HSDP: shard size of the data axis (default: derived)"
     )
     p.add_argument("--order", default=None, help=f"fastest axis first (default {DEFAULT_ORDER})")
+    p.add_argument("--gtp-remat", type=int, default=None, help="Megatron-core 0.19's GTP size (dense)")
+    p.add_argument(
+        "--expert-gtp-remat", type=int, default=None, help="Megatron-core 0.19's GTP size (experts)"
+    )
     p.add_argument("--json", action="store_true", help="print {mode: groups} as JSON")
     p.add_argument("--output", default=None, metavar="FILE", help="write the full JSON to FILE")
     p.add_argument("--png", default=None, metavar="FILE", help="draw the ranks on their nodes (needs [plot])")

@@ -25,6 +25,7 @@ _HEAD_GROUPS = 4
 def _parallel(args: argparse.Namespace) -> ParallelConfig:
     """The ``parallel`` section from the flags, falling back to ``--config``'s, then to size 1."""
     sizes: dict[str, Any] = {"tensor": 1, "pipeline": 1, "context": 1, "expert": 1, "expert_tensor": None}
+    sizes.update(gtp_remat=1, expert_gtp_remat=1)
     sizes["order"] = DEFAULT_ORDER
     data = None
     if args.config is not None:
@@ -36,10 +37,21 @@ def _parallel(args: argparse.Namespace) -> ParallelConfig:
             expert=par.expert.size,
             expert_tensor=par.expert.tensor,
             order=par.order,
+            gtp_remat=par.gtp_remat.size,
+            expert_gtp_remat=par.expert.gtp_remat,
         )
         data = par.data.model_dump()
-    for key in ("tensor", "pipeline", "context", "expert", "expert_tensor", "order"):
-        value = getattr(args, key)
+    for key in (
+        "tensor",
+        "pipeline",
+        "context",
+        "expert",
+        "expert_tensor",
+        "order",
+        "gtp_remat",
+        "expert_gtp_remat",
+    ):
+        value = getattr(args, key, None)
         if value is not None:
             sizes[key] = value
     for key in ("replicate", "shard"):  # HSDP split of the data axis
@@ -52,9 +64,14 @@ def _parallel(args: argparse.Namespace) -> ParallelConfig:
                 "tensor": sizes["tensor"],
                 "pipeline": sizes["pipeline"],
                 "context": sizes["context"],
-                "expert": {"size": sizes["expert"], "tensor": sizes["expert_tensor"]},
+                "expert": {
+                    "size": sizes["expert"],
+                    "tensor": sizes["expert_tensor"],
+                    "gtp_remat": sizes["expert_gtp_remat"],
+                },
                 "order": sizes["order"],
                 "data": data,
+                "gtp_remat": sizes["gtp_remat"],
             }
         )
     except ValidationError as exc:  # the message alone, not pydantic's wrapper
