@@ -18,8 +18,9 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
   ``all_reduce(float32[4])``) to the launch's store when it changed (one write per tick, off
   the hot path), and looks for a call on a watched group that has not completed
   (``Work.is_completed()``) ``after`` seconds after it was entered. For such a call it reads
-  the other members' progress from the store, once, and makes a :class:`HangReport`: members
-  that entered fewer calls are missing, members that entered as many but a different call, or
+  the other members' progress from the store, and makes a :class:`HangReport`: members that
+  entered fewer calls are missing (read a second time two ticks later, since a member posts
+  its progress a tick late at most; a call that completed meanwhile is not reported), members that entered as many but a different call, or
   more, are mismatched. The report is logged (once per call) and handed to every handler of
   ``gpc.on_hang``, in this thread (a handler may call ``gpc.abort()``).
 """
@@ -313,6 +314,17 @@ class HangWatch:
         count, op = call[0], call[1]
         text = describe_call(op, call[2])
         peers = self._peers(slot)
+        if peers is not None and any(theirs < count for theirs, _ in peers.values()):
+            # A member's watch posts its progress once a tick, so one that entered this call
+            # less than a tick ago reads as behind. Read again two ticks later: a member that had
+            # entered the call before this report is then never named missing. A call that
+            # completed meanwhile was slow, not hung: it is not reported.
+            if self._stop.wait(2 * self.tick):
+                return
+            if slot.call is not call or not _pending(slot.work):
+                return
+            peers = self._peers(slot)
+            waited = time.monotonic() - call[3]
         missing: list[int] = []
         mismatched: dict[int, str] = {}
         for r, (theirs, last) in (peers or {}).items():
