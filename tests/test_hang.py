@@ -154,6 +154,22 @@ def test_a_slow_rank_that_arrived_is_never_named_missing(tmp_path: Path) -> None
 
 @pytest.mark.faults
 @pytest.mark.timeout(400)
+def test_with_async_calls_the_report_is_about_the_oldest_pending_call(tmp_path: Path) -> None:
+    # Rank 0 has two async all-reduces pending on the global group; ranks 2 and 3 wait in the
+    # first; rank 1 never comes. Ranks 2 and 3 entered the first call: naming them missing (from
+    # the second call) or rank 0 mismatched (it went past) would send a watchdog after the
+    # wrong ranks.
+    rows = torchrun_rows(tmp_path, "async", nproc=4)
+    assert rows[1]["reports"] == []
+    for row in (rows[0], rows[2], rows[3]):
+        for report in row["reports"]:
+            assert (report["count"], report["call"]) == (2, "all_reduce(float32[4])"), (row["rank"], report)
+            assert (report["missing"], report["mismatched"]) == ([1], {}), (row["rank"], report)
+    assert any(row["reports"] for row in rows), rows
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
 def test_no_report_on_a_healthy_200_step_loop(tmp_path: Path) -> None:
     rows = torchrun_rows(tmp_path, "healthy")
     assert all(row["reports"] == [] and row["steps"] == 200 for row in rows), rows
