@@ -75,7 +75,8 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
             store.set("hang/1", json.dumps({group.group_name: [3, "all_reduce(float32[4])"]}))
             store.set("hang/2", json.dumps({group.group_name: [4, "broadcast(float32[4])"]}))
             slot.count = 4
-            slot.call, slot.work = (4, "all_reduce", ([torch.ones(4)],), time.monotonic()), None
+            slot.call = [4, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
+            slot.calls.append(slot.call)
             while not reports and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
