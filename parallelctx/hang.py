@@ -16,11 +16,13 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
 * **Watching, in one daemon thread** every ``after / 4`` seconds (0.05 s to 1 s): it posts this
   rank's progress (per group: the number of calls entered and the last call, worded as
   ``all_reduce(float32[4])``) to the launch's store when it changed (one write per tick, off
-  the hot path), and looks for a call on a watched group that has not completed
-  (``Work.is_completed()``) ``after`` seconds after it was entered. For such a call it reads
-  the other members' progress from the store, once, and makes a :class:`HangReport`: members
-  that entered fewer calls are missing, members that entered as many but a different call, or
-  more, are mismatched. The report is logged (once per call) and handed to every handler of
+  the hot path), and looks for the oldest call on a watched group that has not completed
+  (``Work.is_completed()``; with ``async_op=True`` later calls wait behind it) ``after``
+  seconds after it was entered. For such a call it reads the other members' progress from the
+  store, and makes a :class:`HangReport`: members that entered fewer calls are missing (read a
+  second time two ticks later, since a member posts its progress a tick late at most; a call
+  that completed meanwhile is not reported), members that entered as many but a different call
+  are mismatched; members that entered more calls entered this one and are neither. The report is logged (once per call) and handed to every handler of
   ``gpc.on_hang``, in this thread (a handler may call ``gpc.abort()``).
 """
 
@@ -30,6 +32,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -81,7 +84,7 @@ class HangReport:
         ranks: the group's global ranks.
         missing: sorted global ranks of the group that have not entered this call.
         mismatched: global rank -> the call it entered instead (as many calls as this rank but
-            another one, or more calls: it went past this one).
+            another one; a rank that entered more calls entered this one and is not named).
         waited: seconds this rank has waited in the call.
         progress_known: False when the other ranks' progress could not be read from the store
             (``missing`` and ``mismatched`` are then empty).
@@ -158,14 +161,26 @@ def describe_call(op: str, args: Sequence[Any]) -> str:
 class _Slot:
     """One watched process group: its calls (written by the collective's thread)."""
 
-    __slots__ = ("call", "count", "cpu", "key", "modes", "ranks", "reported", "work")
+    __slots__ = ("call", "calls", "count", "cpu", "key", "modes", "ranks", "reported")
 
     def __init__(self, key: str, modes: tuple[ParallelMode, ...], cpu: bool, ranks: tuple[int, ...]) -> None:
         self.key, self.modes, self.cpu, self.ranks = key, modes, cpu, ranks
         self.count = 0
-        self.call: tuple[int, str, tuple[Any, ...], float] | None = None  # count, op, args, entered
-        self.work: Any = None  # the call's Work; None while torch has not returned it
+        # A call: [count, op, args, entered, Work] (the Work None while torch has not returned it).
+        self.call: list[Any] | None = None  # the last call
+        # The calls not known to be complete, oldest first (several with async_op=True): the
+        # hot path drops the completed ones at its head; the watching thread only reads it.
+        self.calls: deque[list[Any]] = deque()
         self.reported = 0  # the count last reported
+
+    def oldest_pending(self) -> list[Any] | None:
+        """The oldest call of this group that has not completed, or None (any thread)."""
+        for _ in range(3):
+            try:
+                return next((c for c in tuple(self.calls) if _pending(c[4])), None)
+            except RuntimeError:  # the hot path changed the deque while it was copied
+                continue
+        return None
 
 
 _DONE = object()  # stands for the Work of a call that raised or gave none
@@ -179,15 +194,18 @@ def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -
         slot = slots.get(self)
         if slot is None:
             return original(self, *args, **kwargs)
+        calls = slot.calls
+        while calls and not _pending(calls[0][4]):
+            calls.popleft()  # completed: one is_completed() per call when calls are waited for
         slot.count = count = slot.count + 1
-        slot.work = None
-        slot.call = (count, op, args, clock())
+        slot.call = call = [count, op, args, clock(), None]
+        calls.append(call)
         try:
             work = original(self, *args, **kwargs)
         except BaseException:
-            slot.work = _DONE
+            call[4] = _DONE
             raise
-        slot.work = _DONE if work is None else work  # None: nothing to wait for (coalescing)
+        call[4] = _DONE if work is None else work  # None: nothing to wait for (coalescing)
         return work
 
     collective.__name__ = collective.__qualname__ = name
@@ -280,10 +298,10 @@ class HangWatch:
                 posted = None
             now = time.monotonic()
             for slot in list(self._slots.values()):
-                call, work = slot.call, slot.work
-                if call is None or slot.reported >= call[0] or not _pending(work):
+                call = slot.oldest_pending()  # with async_op=True, later calls wait behind it
+                if call is None or slot.reported >= call[0]:
                     continue
-                if now - call[3] >= self.after and slot.call is call:
+                if now - call[3] >= self.after:
                     slot.reported = call[0]
                     self._report(slot, call, now - call[3])
 
@@ -309,19 +327,30 @@ class HangWatch:
             return None
         return out
 
-    def _report(self, slot: _Slot, call: tuple[int, str, tuple[Any, ...], float], waited: float) -> None:
+    def _report(self, slot: _Slot, call: list[Any], waited: float) -> None:
         count, op = call[0], call[1]
         text = describe_call(op, call[2])
         peers = self._peers(slot)
+        if peers is not None and any(theirs < count for theirs, _ in peers.values()):
+            # A member's watch posts its progress once a tick, so one that entered this call
+            # less than a tick ago reads as behind. Read again two ticks later: a member that had
+            # entered the call before this report is then never named missing. A call that
+            # completed meanwhile was slow, not hung: it is not reported.
+            if self._stop.wait(2 * self.tick):
+                return
+            if not _pending(call[4]):
+                return
+            peers = self._peers(slot)
+            waited = time.monotonic() - call[3]
         missing: list[int] = []
         mismatched: dict[int, str] = {}
         for r, (theirs, last) in (peers or {}).items():
             if theirs < count:
                 missing.append(r)
-            elif theirs > count:
-                mismatched[r] = f"{last} (its call {theirs}, past this one)"
-            elif last != text:
+            elif theirs == count and last != text:
                 mismatched[r] = last
+            # More calls: it entered this one and went on (async_op=True, or a broadcast's
+            # root); its call number `count` is not posted, so it is not called a mismatch.
         report = HangReport(
             mode=slot.modes[0],
             modes=slot.modes,

@@ -4,6 +4,7 @@ all-reduce ended by gpc.abort(), is in tests/test_elastic.py under the faults ma
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 import time
@@ -119,3 +120,18 @@ def test_listening_asks_own_sockets_and_agrees_with_the_proc_tables() -> None:
     finally:
         for sock in made:
             sock.close()
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(200)
+def test_the_signal_recipe_of_the_docs_ends_a_hung_all_reduce(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A Python signal handler would run only after the call's 30 s timeout; the recipe's
+    # wakeup-fd thread aborts 1 s in, and the relaunch in the same processes works.
+    from torchrun_helpers import run_torchrun
+
+    proc = run_torchrun(2, ["tests/torchrun_abort_signal.py", str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank0 = json.loads((tmp_path / "rank-0.json").read_text())
+    assert rank0["raised"] is not None and rank0["ended_s"] < 1.0 + 2.0, rank0
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"rank-{rank}.json").read_text())["relaunch_sum"] == 3.0

@@ -58,3 +58,20 @@ def test_abort_ends_a_wait_in_every_group_state(tmp_path: Path) -> None:
     states = ["connected", "launch", "data", "lazy"]
     worst = check(cycles(tmp_path, ",".join(states)), states)
     print(f"connected, launch, data, lazy: raised at most {worst:.2f} s after abort()")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.xfail(
+    reason="not fixed yet: when every rank's launch is aborted at a different point of the "
+    "rendezvous, the relaunch in the same processes can split the ranks over different launch "
+    "prefixes and fail after dist.timeout (found by the skeptic-25 review; seed 1 failed 2 of 2 runs)",
+    strict=False,
+)
+def test_every_rank_aborted_mid_launch_at_different_times_then_relaunches(tmp_path: Path) -> None:
+    proc = run_torchrun(4, ["tests/torchrun_abort_launch_race.py", str(tmp_path), "1"], timeout=380)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == list(range(4)), proc.stdout[-3000:]
+    for row in rows:  # tensor=2: data groups {0, 2}, {1, 3}
+        for cycle in row["cycles"]:
+            assert cycle["relaunch"] == [4.0 + 2.0 * (row["rank"] % 2), 10.0], (row["rank"], cycle)

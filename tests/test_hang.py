@@ -75,7 +75,8 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
             store.set("hang/1", json.dumps({group.group_name: [3, "all_reduce(float32[4])"]}))
             store.set("hang/2", json.dumps({group.group_name: [4, "broadcast(float32[4])"]}))
             slot.count = 4
-            slot.call, slot.work = (4, "all_reduce", ([torch.ones(4)],), time.monotonic()), None
+            slot.call = [4, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
+            slot.calls.append(slot.call)
             while not reports and time.monotonic() < deadline:
                 time.sleep(0.05)
         finally:
@@ -92,11 +93,11 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
         dist.destroy_process_group()
 
 
-def torchrun_rows(tmp_path: Path, scenario: str) -> list[dict]:
-    proc = run_torchrun(8, ["tests/torchrun_hang.py", str(tmp_path), scenario], timeout=280)
+def torchrun_rows(tmp_path: Path, scenario: str, nproc: int = 8) -> list[dict]:
+    proc = run_torchrun(nproc, ["tests/torchrun_hang.py", str(tmp_path), scenario], timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
-    assert [r["rank"] for r in rows] == list(range(8)), proc.stdout[-3000:]
+    assert [r["rank"] for r in rows] == list(range(nproc)), proc.stdout[-3000:]
     return rows
 
 
@@ -134,6 +135,38 @@ def test_two_ranks_that_call_different_collectives_are_named_as_a_mismatch(tmp_p
     assert (r1["op"], r1["missing"], r1["mismatched"]) == ("broadcast", [], {"0": "all_reduce(float32[4])"})
     assert all(row["reports"] == [] for row in rows[2:])
     assert all(row["relaunch_sum"] == row["relaunch_expected"] for row in rows)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
+def test_a_slow_rank_that_arrived_is_never_named_missing(tmp_path: Path) -> None:
+    # Global group of 4: rank 1 enters 0.98 s late with after = 1 s, rank 2 never; 6 cycles.
+    # Rank 1 arrived before anyone had waited `after`, so no report may name it, however the
+    # report's read of the progress falls against rank 1's watch posting it.
+    rows = torchrun_rows(tmp_path, "slow", nproc=4)
+    for row in rows:
+        for cycle in row["cycles"]:
+            if row["rank"] == 2:
+                assert cycle["reports"] == [], row
+                continue
+            (report,) = cycle["reports"]
+            assert (report["mode"], report["missing"]) == ("global", [2]), (row["rank"], report)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
+def test_with_async_calls_the_report_is_about_the_oldest_pending_call(tmp_path: Path) -> None:
+    # Rank 0 has two async all-reduces pending on the global group; ranks 2 and 3 wait in the
+    # first; rank 1 never comes. Ranks 2 and 3 entered the first call: naming them missing (from
+    # the second call) or rank 0 mismatched (it went past) would send a watchdog after the
+    # wrong ranks.
+    rows = torchrun_rows(tmp_path, "async", nproc=4)
+    assert rows[1]["reports"] == []
+    for row in (rows[0], rows[2], rows[3]):
+        for report in row["reports"]:
+            assert (report["count"], report["call"]) == (2, "all_reduce(float32[4])"), (row["rank"], report)
+            assert (report["missing"], report["mismatched"]) == ([1], {}), (row["rank"], report)
+    assert any(row["reports"] for row in rows), rows
 
 
 @pytest.mark.faults

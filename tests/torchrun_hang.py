@@ -8,6 +8,13 @@ Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
   process and proves the relaunch with a data-group all-reduce against the serial sum.
 * ``mismatch``: on the tensor group {0, 1} rank 0 calls ``all_reduce`` and rank 1 ``broadcast``;
   each is reported with the other as mismatched, then aborted and relaunched as above.
+* ``slow`` (4 ranks, 6 cycles in the same processes): on the global group ranks 0 and 3
+  all-reduce at once, rank 1 only after ``after - 0.02`` s (slow, but it arrives before anyone
+  has waited ``after``), rank 2 never. Rank 2 is missing; rank 1 must never be named.
+* ``async`` (4 ranks): on the global group rank 0 starts two all-reduces with
+  ``async_op=True`` and waits for both; ranks 2 and 3 call the same two all-reduces one after
+  the other (so they wait in the first); rank 1 never comes. Every report is about the first
+  all-reduce and names rank 1 alone: the others entered it.
 * ``healthy``: 200 steps of all-reduces on the data, tensor and global groups and a CPU-group
   all_gather_object, with ``after`` = 1 s: no report may come.
 
@@ -31,7 +38,7 @@ import torch.distributed as dist
 import parallelctx
 from parallelctx import HangReport, ParallelMode, gpc
 
-AFTER = {"skip": 2.0, "mismatch": 2.0, "healthy": 1.0}
+AFTER = {"skip": 2.0, "mismatch": 2.0, "healthy": 1.0, "slow": 1.0, "async": 1.0}
 
 
 def main() -> int:
@@ -55,6 +62,30 @@ def main() -> int:
             threading.Timer(2.0, report.abort).start()
 
     gpc.on_hang(on_hang)
+    if scenario == "slow":
+        record["cycles"] = [slow_cycle(config, rank, record, entered) for _ in range(6)]
+        (out / f"rank-{rank}.json").write_text(json.dumps(record))
+        return 0
+    if scenario == "async":
+        parallelctx.launch_from_torch(config)
+        dist.barrier()
+        try:
+            if rank == 0:
+                first = dist.all_reduce(torch.ones(4), async_op=True)
+                second = dist.all_reduce(torch.ones(2), async_op=True)
+                first.wait()
+                second.wait()
+            elif rank in (2, 3):
+                dist.all_reduce(torch.ones(4))
+                dist.all_reduce(torch.ones(2))
+            else:
+                time.sleep(AFTER["async"] + 6)  # never enters them
+        except RuntimeError:
+            pass  # the handler's abort
+        time.sleep(3)  # every report comes before the teardown
+        gpc.destroy()
+        (out / f"rank-{rank}.json").write_text(json.dumps(record))
+        return 0
     parallelctx.launch_from_torch(config)
     data = gpc.get_group(ParallelMode.DATA)
     if scenario == "healthy":
@@ -98,6 +129,28 @@ def main() -> int:
     gpc.destroy()
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
     return 0
+
+
+def slow_cycle(config: dict, rank: int, record: dict, entered: dict[str, float]) -> dict:
+    """One launch of the ``slow`` scenario; returns this rank's reports and its entry time."""
+    record["reports"] = []
+    parallelctx.launch_from_torch(config)
+    dist.barrier()
+    row: dict = {}
+    if rank == 2:
+        time.sleep(AFTER["slow"] + 5)  # never enters the all-reduce
+    else:
+        if rank == 1:
+            time.sleep(AFTER["slow"] - 0.02)  # slow, but here before anyone waited `after`
+        entered["t"] = time.perf_counter()
+        row["entered"] = time.time()
+        try:
+            dist.all_reduce(torch.ones(4))
+        except RuntimeError:
+            pass  # the handler's abort
+    row["reports"] = record["reports"]
+    gpc.destroy()
+    return row
 
 
 if __name__ == "__main__":
