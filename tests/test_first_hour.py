@@ -182,6 +182,16 @@ def test_ranks_compare_equal_to_lists() -> None:
     assert list(ranks) == [0, 2, 4, 6] and ranks.index(4) == 2 and 6 in ranks and len(ranks) == 4
 
 
+def test_ranks_slices_and_hashes_like_the_list_they_equal() -> None:
+    ranks = Ranks(range(0, 8, 2))
+    # a slice is still a Ranks, so it too equals the list of its members (a bare range does not)
+    assert ranks[:2] == [0, 2] and ranks[1:] == (2, 4, 6) and ranks[::-1] == [6, 4, 2, 0]
+    assert isinstance(ranks[:2], Ranks) and ranks[1] == 2
+    # it hashes as the tuple of its members (a range equal to it hashes otherwise: it cannot be both)
+    assert hash(ranks[:2]) == hash((0, 2)) == hash(Ranks([0, 2]))
+    assert {(0, 2, 4, 6): "y"}.get(ranks) == "y" and {ranks[:2]: "z"}.get((0, 2)) == "z"
+
+
 @pytest.mark.parallel(world_size=2, tensor=2)
 def test_mode_ranks_equal_the_list_of_the_group() -> None:
     assert gpc.tensor.ranks == [0, 1]
