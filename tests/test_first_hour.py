@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from torchrun_helpers import ROOT, run_torchrun
 
+import parallelctx
 from parallelctx import Config, ConfigError, gpc
 from parallelctx.cli import main
 from parallelctx.testing.plugin import MarkerError, resolve_marker
@@ -197,3 +198,13 @@ def test_mode_ranks_equal_the_list_of_the_group() -> None:
     assert gpc.tensor.ranks == [0, 1]
     assert gpc.tensor.ranks == gpc.get_ranks_in_group("tensor")
     assert gpc.data.ranks == [gpc.get_global_rank()]
+
+
+def test_a_main_func_that_launches_again_under_spawn_is_told_spawn_already_did() -> None:
+    import mp_workers
+
+    # the first-hour mistake of a torchrun script moved under spawn: the advice is not destroy()
+    with pytest.raises(RuntimeError) as info:
+        parallelctx.spawn(mp_workers.launches_again, 1)
+    text = str(info.value)
+    assert "already launched" in text and "spawn" in text and "config=" in text
