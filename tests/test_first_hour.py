@@ -208,3 +208,20 @@ def test_a_main_func_that_launches_again_under_spawn_is_told_spawn_already_did()
         parallelctx.spawn(mp_workers.launches_again, 1)
     text = str(info.value)
     assert "already launched" in text and "spawn" in text and "config=" in text
+
+
+def test_an_upper_case_constant_beside_its_section_is_allowed(tmp_path: Path) -> None:
+    # the InternLM style of .py config: constants in capitals, then the sections from them
+    path = tmp_path / "llm.py"
+    path.write_text(
+        "SEED = 42\nseed = SEED\nPARALLEL = dict(tensor=1)\nparallel = PARALLEL\nSEQ_LEN = 2048\n"
+    )
+    cfg = Config.from_file(path)
+    assert cfg.seed == 42 and cfg.SEED == 42 and cfg.parallel.tensor.size == 1
+    # alone, the capitals are still a typo for the section: refused, with how to keep a constant
+    with pytest.raises(ConfigError, match=r"did you mean 'seed'\?.*seed = SEED"):
+        Config({"SEED": 42})
+    # and a capitalised or mixed-case name beside the section is still refused
+    for name in ("Seed", "sEED", "Parallel"):
+        with pytest.raises(ConfigError, match="did you mean"):
+            Config({name: 1, name.lower(): 1})
