@@ -225,3 +225,15 @@ def test_an_upper_case_constant_beside_its_section_is_allowed(tmp_path: Path) ->
     for name in ("Seed", "sEED", "Parallel"):
         with pytest.raises(ConfigError, match="did you mean"):
             Config({name: 1, name.lower(): 1})
+
+
+def test_init_dist_argument_typos_suggest_the_closest_name() -> None:
+    with pytest.raises(ValueError, match=r"launcher='pytorc' .*did you mean 'pytorch'\?"):
+        parallelctx.init_dist("pytorc")
+    with pytest.raises(TypeError, match=r"\['sed'\] \(did you mean 'seed'\?\); it takes backend, config"):
+        parallelctx.init_dist("pytorch", sed=3)
+    with pytest.raises(TypeError, match=r"\['confg'\] \(did you mean 'config'\?\)"):
+        parallelctx.init_dist("pytorch", confg={})
+    with pytest.raises(TypeError) as info:
+        parallelctx.init_dist("pytorch", zzz=1)
+    assert "did you mean" not in str(info.value)
