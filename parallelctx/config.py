@@ -888,11 +888,18 @@ class Config(Section):
         _check_tree(data)
         for key in data:
             near = near_miss_section(key)
+            if near is not None and key == near.upper() and near in data:
+                continue  # a constant in capitals beside its section (SEED = 42; seed = SEED)
             if near is not None:
+                constant = (
+                    f"; a constant in capitals is kept beside its section ({near} = {key})"
+                    if key == near.upper()
+                    else ""
+                )
                 raise ConfigError(
                     f"config: top-level section {_shown(key)} is not read by parallelctx; did you mean "
                     f"{near!r}? (names this close to parallel, dist or seed are refused, so that a typo "
-                    "cannot run the job with the defaults; give a section of your own another name)"
+                    f"cannot run the job with the defaults; give a section of your own another name{constant})"
                 )
         try:
             owned = _Owned.model_validate({k: data[k] for k in OWNED_SECTIONS if k in data})

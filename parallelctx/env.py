@@ -14,6 +14,7 @@ detector, one entry and one docs page. Nothing here imports torch.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import socket
@@ -622,8 +623,11 @@ def launcher_named(name: str) -> Launcher:
     for launcher in LAUNCHERS:
         if name == launcher.name or name in launcher.aliases or name in launcher.kinds:
             return launcher
-    valid = ", ".join(repr(n) for entry in LAUNCHERS for n in (entry.name, *entry.aliases))
-    raise ValueError(f"launcher={name!r} is not one of {valid}")
+    names = [n for entry in LAUNCHERS for n in (entry.name, *entry.aliases)]
+    valid = ", ".join(repr(n) for n in names)
+    close = difflib.get_close_matches(str(name).lower(), names, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ValueError(f"launcher={name!r} is not one of {valid}{hint}")
 
 
 def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:

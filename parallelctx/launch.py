@@ -7,6 +7,7 @@ and ``init_dist`` name one entry of that table. Single-node worker processes: :m
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -303,10 +304,13 @@ def init_dist(launcher: str, backend: str | None = None, **kwargs: Any) -> Paral
     _env.launcher_named(launcher)  # ValueError with the valid names before anything starts
     if kwargs.get("timeout") is not None:
         to_timedelta(kwargs["timeout"], "timeout")  # TypeError with the right forms, before detection
-    unknown = set(kwargs) - {"config", "seed", "timeout", "host", "port"}
+    takes = ("config", "seed", "timeout", "host", "port")
+    unknown = sorted(set(kwargs) - set(takes))
     if unknown:
+        close = difflib.get_close_matches(unknown[0].lower(), (*takes, "backend"), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(
-            f"init_dist() got unexpected arguments {sorted(unknown)}; it takes config, seed, "
+            f"init_dist() got unexpected arguments {unknown}{hint}; it takes backend, config, seed, "
             "timeout, host and port"
         )
     return _launch_named(

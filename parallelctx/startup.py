@@ -209,7 +209,12 @@ def launch(
         :meth:`ParallelContext.launch` documents.
     """
     if ctx.is_initialized(ParallelMode.GLOBAL):
-        raise RuntimeError("parallelctx is already launched in this process; call gpc.destroy() first")
+        raise RuntimeError(
+            "parallelctx is already launched in this process; launch once per process: under "
+            "parallelctx.spawn (and @pytest.mark.parallel) each worker is launched before your function "
+            "runs, so drop the launch call from it and pass the config as spawn(..., config=...); "
+            "to launch again after your own launch, call gpc.destroy() first"
+        )
     if simulate is not None or getattr(ctx._dry_run, "armed", False):  # a dry run: parallelctx.dryrun
         return _launch_dry(ctx, config, simulate, seed, timeout, local_rank)
     ctx._meetings.settle()  # an earlier refusal of this process, still being told

@@ -35,8 +35,8 @@ class Ranks(Sequence[int]):
     """The ascending global ranks of a group (``gpc.tensor.ranks``): a read-only sequence that
     compares equal to any list, tuple or range of the same ranks (``gpc.tensor.ranks == [0, 1]``,
     ``== gpc.get_ranks_in_group("tensor")``). It keeps the members as given (a ``range`` for
-    evenly spaced ones), so neither its memory nor ``index`` grows with the world; ``list(r)``
-    gives a plain list."""
+    evenly spaced ones), so neither its memory nor ``index`` grows with the world; a slice is a
+    ``Ranks`` too; it hashes as the tuple of its members; ``list(r)`` gives a plain list."""
 
     __slots__ = ("_members",)
 
@@ -46,8 +46,10 @@ class Ranks(Sequence[int]):
     @overload
     def __getitem__(self, index: int) -> int: ...
     @overload
-    def __getitem__(self, index: slice) -> Sequence[int]: ...
-    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+    def __getitem__(self, index: slice) -> Ranks: ...
+    def __getitem__(self, index: int | slice) -> int | Ranks:
+        if isinstance(index, slice):  # a slice stays a Ranks, so it too equals a list
+            return Ranks(self._members[index])
         return self._members[index]
 
     def __len__(self) -> int:

@@ -185,3 +185,8 @@ def seed_table_worker(out_dir: str, layouts: dict[str, dict[str, Any]]) -> None:
         dist.all_gather_object(every, mine)
         if rank == 0:
             Path(out_dir, f"{key}.json").write_text(json.dumps({str(r): d for r, d in enumerate(every)}))
+
+
+def launches_again() -> None:
+    """A main_func written as for torchrun: it launches gpc itself, inside spawn's worker."""
+    parallelctx.launch_from_env({"parallel": {"tensor": 1}}, backend="gloo")

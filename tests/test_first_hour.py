@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from torchrun_helpers import ROOT, run_torchrun
 
+import parallelctx
 from parallelctx import Config, ConfigError, gpc
 from parallelctx.cli import main
 from parallelctx.testing.plugin import MarkerError, resolve_marker
@@ -182,8 +183,57 @@ def test_ranks_compare_equal_to_lists() -> None:
     assert list(ranks) == [0, 2, 4, 6] and ranks.index(4) == 2 and 6 in ranks and len(ranks) == 4
 
 
+def test_ranks_slices_and_hashes_like_the_list_they_equal() -> None:
+    ranks = Ranks(range(0, 8, 2))
+    # a slice is still a Ranks, so it too equals the list of its members (a bare range does not)
+    assert ranks[:2] == [0, 2] and ranks[1:] == (2, 4, 6) and ranks[::-1] == [6, 4, 2, 0]
+    assert isinstance(ranks[:2], Ranks) and ranks[1] == 2
+    # it hashes as the tuple of its members (a range equal to it hashes otherwise: it cannot be both)
+    assert hash(ranks[:2]) == hash((0, 2)) == hash(Ranks([0, 2]))
+    assert {(0, 2, 4, 6): "y"}.get(ranks) == "y" and {ranks[:2]: "z"}.get((0, 2)) == "z"
+
+
 @pytest.mark.parallel(world_size=2, tensor=2)
 def test_mode_ranks_equal_the_list_of_the_group() -> None:
     assert gpc.tensor.ranks == [0, 1]
     assert gpc.tensor.ranks == gpc.get_ranks_in_group("tensor")
     assert gpc.data.ranks == [gpc.get_global_rank()]
+
+
+def test_a_main_func_that_launches_again_under_spawn_is_told_spawn_already_did() -> None:
+    import mp_workers
+
+    # the first-hour mistake of a torchrun script moved under spawn: the advice is not destroy()
+    with pytest.raises(RuntimeError) as info:
+        parallelctx.spawn(mp_workers.launches_again, 1)
+    text = str(info.value)
+    assert "already launched" in text and "spawn" in text and "config=" in text
+
+
+def test_an_upper_case_constant_beside_its_section_is_allowed(tmp_path: Path) -> None:
+    # the InternLM style of .py config: constants in capitals, then the sections from them
+    path = tmp_path / "llm.py"
+    path.write_text(
+        "SEED = 42\nseed = SEED\nPARALLEL = dict(tensor=1)\nparallel = PARALLEL\nSEQ_LEN = 2048\n"
+    )
+    cfg = Config.from_file(path)
+    assert cfg.seed == 42 and cfg.SEED == 42 and cfg.parallel.tensor.size == 1
+    # alone, the capitals are still a typo for the section: refused, with how to keep a constant
+    with pytest.raises(ConfigError, match=r"did you mean 'seed'\?.*seed = SEED"):
+        Config({"SEED": 42})
+    # and a capitalised or mixed-case name beside the section is still refused
+    for name in ("Seed", "sEED", "Parallel"):
+        with pytest.raises(ConfigError, match="did you mean"):
+            Config({name: 1, name.lower(): 1})
+
+
+def test_init_dist_argument_typos_suggest_the_closest_name() -> None:
+    with pytest.raises(ValueError, match=r"launcher='pytorc' .*did you mean 'pytorch'\?"):
+        parallelctx.init_dist("pytorc")
+    with pytest.raises(TypeError, match=r"\['sed'\] \(did you mean 'seed'\?\); it takes backend, config"):
+        parallelctx.init_dist("pytorch", sed=3)
+    with pytest.raises(TypeError, match=r"\['confg'\] \(did you mean 'config'\?\)"):
+        parallelctx.init_dist("pytorch", confg={})
+    with pytest.raises(TypeError) as info:
+        parallelctx.init_dist("pytorch", zzz=1)
+    assert "did you mean" not in str(info.value)

@@ -190,7 +190,10 @@ def _check_accepted_config(data: dict, cfg: Config) -> None:
             for key in given_value:
                 assert isinstance(key, str) and key.isidentifier(), key
                 assert key not in ("items", "keys", "values", "get", "copy", "sizes", "szie", "Size"), key
-    if par.get("data") is not None:
+    if isinstance(par.get("data"), dict):  # HSDP's form, data=dict(replicate=2, shard=4)
+        assert set(par["data"]) <= {"size", "replicate", "shard"}, par["data"]
+        assert all(v is None or (_is_int(v) and v >= 1) for v in par["data"].values()), par["data"]
+    elif par.get("data") is not None:
         assert _is_int(par["data"]) and par["data"] >= 1
     if "order" in par:
         assert isinstance(par["order"], str)

@@ -272,3 +272,32 @@ def test_no_world_size():
             "*needs world_size=<ranks>, a positive int; got None*",
         ]
     )
+
+
+def test_a_misspelt_parallel_marker_is_a_collection_error(pytester: pytest.Pytester) -> None:
+    # @pytest.mark.paralel ran the test in one unlaunched process, with only pytest's warning
+    for name in ("paralel", "Parallel"):
+        pytester.makepyfile(
+            **{
+                f"test_{name.lower()}": HEADER
+                + f"""
+@pytest.mark.{name}(world_size=2, tensor=2)
+def test_typo():
+    pass
+
+@pytest.mark.slow
+def test_other_marks_are_untouched():
+    pass
+"""
+            }
+        )
+        result = pytester.runpytest(
+            f"test_{name.lower()}.py",
+            "-p",
+            "no:cacheprovider",
+            "-W",
+            "ignore::pytest.PytestUnknownMarkWarning",
+        )
+        text = result.stdout.str()
+        assert f"@pytest.mark.{name} is not parallelctx's marker; did you mean @pytest.mark.parallel?" in text
+        result.assert_outcomes(errors=1)

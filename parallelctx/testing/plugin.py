@@ -373,7 +373,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One test id per entry of the marker's ``layouts=``."""
+    """One test id per entry of the marker's ``layouts=``; a marker named like a misspelt
+    ``parallel`` (``paralel``, ``Parallel``) is a collection error, not a test run unlaunched."""
+    from parallelctx.config import near_miss_section
+
+    for mark in metafunc.definition.iter_markers():
+        if mark.name != "parallel" and near_miss_section(mark.name) == "parallel":
+            raise MarkerError(
+                f"{metafunc.definition.nodeid}: @pytest.mark.{mark.name} is not parallelctx's marker; "
+                "did you mean @pytest.mark.parallel? (the test would run in this one process, unlaunched)"
+            )
     marker = metafunc.definition.get_closest_marker("parallel")
     if marker is None or "layouts" not in marker.kwargs:
         return
