@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,17 @@ from pathlib import Path
 import pytest, torch, torch.distributed as dist
 from parallelctx import ParallelMode, gpc
 """
+
+
+@pytest.fixture(autouse=True)
+def _no_gpc_left_behind() -> Iterator[None]:
+    """pytester runs the inner session in this process, and a conftest there may launch gpc (a
+    world of one): destroy it, so that a test file run after this one starts unlaunched."""
+    yield
+    from parallelctx import ParallelMode, gpc
+
+    if gpc.is_initialized(ParallelMode.GLOBAL):
+        gpc.destroy()
 
 
 def _durations(xml: Path) -> dict[str, float]:
