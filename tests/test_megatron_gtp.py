@@ -191,3 +191,16 @@ def test_megatron_places_gtp_remat_first_in_an_upper_case_order() -> None:
     assert plan(8, tensor=2, gtp_remat=2).groups(ParallelMode.GTP_REMAT)[0] == [0, 2]
     with pytest.raises(LayoutError, match="lowercase"):
         plan(8, tensor=2, gtp_remat=2, order="TP-CP-EP-DP-PP")
+
+
+def test_install_refuses_megatrons_upper_case_order_with_gtp_remat() -> None:
+    # install()'s order check compared gpc's layout of the order read in lowercase, so
+    # initialize_model_parallel(order="TP-CP-EP-DP-PP", gtp_remat_size=2) was taken as gpc's own
+    # order although Megatron's init would place gtp_remat first.
+    from parallelctx.megatron.options import parse_options
+    from parallelctx.megatron.release import detect
+
+    layout = plan(8, tensor=2, gtp_remat=2)
+    with pytest.raises(ValueError, match=r"install\(order='TP-CP-EP-DP-PP'\).*lowercase"):
+        parse_options(layout, {"order": "TP-CP-EP-DP-PP", "gtp_remat_size": 2}, detect())
+    parse_options(layout, {"order": "tp-cp-ep-dp-pp", "gtp_remat_size": 2}, detect())
