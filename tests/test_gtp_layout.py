@@ -77,7 +77,9 @@ def test_the_picture_shows_every_rank_once_with_gtp_remat(capsys: pytest.Capture
 
     for layout in (plan(8, tensor=2, gtp_remat=2), plan(16, tensor=2, pipeline=2, gtp_remat=2, context=2)):
         picture = layout_picture(layout).plain
-        cells = [int(c) for line in picture.splitlines() if line.startswith("  dp ") for c in line.split()[2:]]
+        cells = [
+            int(c) for line in picture.splitlines() if line.startswith("  dp ") for c in line.split()[2:]
+        ]
         assert sorted(cells) == list(range(layout.world_size)), picture
         assert "gtp_remat" in picture
     assert "columns = (cp, tp), rows = dp" in layout_picture(plan(8, tensor=2)).plain  # unchanged at 1
