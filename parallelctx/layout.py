@@ -688,7 +688,9 @@ def plan(
         LayoutError: a size that is not a positive integer, a world larger than
             :data:`MAX_WORLD_SIZE`, a size product that does not divide ``world_size``, an order
             string with an unknown or repeated token, an axis of size > 1 that the order string
-            leaves out, a ``replicate`` that does not divide the data or expert-data size, or an expert layout whose pipeline groups
+            leaves out, an order string not in lowercase with a gtp_remat size > 1 (Megatron-core
+            0.19 places ``gtp_remat`` case-sensitively), a ``replicate`` that does not divide the
+            data or expert-data size, or an expert layout whose pipeline groups
             differ from the dense ones (the rules Megatron-core enforces). The message names the
             values and the fix.
     """
@@ -808,6 +810,17 @@ def _check_axes_named(layout: Layout) -> None:
                 f"order={order!r} leaves out {token!r} but the {_AXIS_NAMES[token]} size is "
                 f"{size}; name every axis of size > 1, e.g. {DEFAULT_ORDER!r}"
             )
+    gtp = {"gtp_remat": layout.gtp_remat, "expert_gtp_remat": layout.expert_gtp_remat}
+    big = {name: size for name, size in gtp.items() if size > 1}
+    if big and order != order.lower():
+        # Megatron-core 0.19 places gtp_remat by matching 'tp'/'ep'/'gtp_remat' case-sensitively:
+        # it would build other groups than this order read in lowercase.
+        sizes = ", ".join(f"{name}={size}" for name, size in big.items())
+        raise LayoutError(
+            f"order={order!r} with {sizes}: megatron-core 0.19 places gtp_remat by the lowercase "
+            f"tokens only (in this order it would put it first); write the order in lowercase, "
+            f"e.g. {order.lower()!r}"
+        )
     if tokens[-1] != "pp" and layout.pipeline > 1 and expert_data != data:
         raise LayoutError(
             f"order={order!r} does not end with 'pp', so the expert-data size ({expert_data}) "

@@ -128,10 +128,19 @@ def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
         The :class:`MeshPlan`.
 
     Raises:
-        LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``.
+        LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``, or the grid's
+            ``gtp_remat`` size is above 1 (the mesh has no ``gtp_remat`` dimension).
     """
     if grid not in MESH_DIMS:
         raise LayoutError(f"grid={grid!r} must be 'dense' or 'expert'")
+    gtp = layout.gtp_remat if grid == "dense" else layout.expert_gtp_remat
+    if gtp > 1:
+        name = "gtp_remat" if grid == "dense" else "expert_gtp_remat"
+        raise LayoutError(
+            f"{name}={gtp}: the {grid} device mesh has no gtp_remat dimension, so it would hold "
+            f"{layout.world_size // gtp} of the {layout.world_size} ranks; use gpc's groups "
+            f"(gpc.get_group(ParallelMode.{name.upper()})) or Megatron's process_groups() instead"
+        )
     strides = layout.strides(grid)
     dims = [d for t in reversed(layout.tokens) if t in MESH_DIMS[grid] for d in MESH_DIMS[grid][t]]
     shape = tuple(layout.size(mode) for _, mode, _ in dims)
@@ -170,7 +179,8 @@ def build_device_mesh(
         dimension of :data:`FLAT_DIMS`.
 
     Raises:
-        LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``.
+        LayoutError: ``grid`` is neither ``"dense"`` nor ``"expert"``, or the grid's
+            ``gtp_remat`` size is above 1 (see :func:`mesh_plan`).
         MeshError: a mode's process group is missing or its members differ from the mesh's
             slice through this rank (the groups were not made from this layout).
     """

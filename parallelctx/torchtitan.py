@@ -94,9 +94,19 @@ def check_layout(layout: Layout) -> None:
     the expert grid as ``(pp, dp_replicate, efsdp, ep)`` (no expert-tensor axis).
 
     Raises:
-        TorchtitanError: the order string or the expert-tensor size puts ranks elsewhere; the
-            message names the value and the fix.
+        TorchtitanError: the order string, the expert-tensor size or a ``gtp_remat`` size above 1
+            puts ranks elsewhere; the message names the value and the fix.
     """
+    if layout.gtp_remat > 1 or layout.expert_gtp_remat > 1:
+        name, size = (
+            ("gtp_remat", layout.gtp_remat)
+            if layout.gtp_remat > 1
+            else ("expert.gtp_remat", layout.expert_gtp_remat)
+        )
+        raise TorchtitanError(
+            f"parallel.{name}={size}: torchtitan's meshes have no gtp_remat axis "
+            "(Megatron-core 0.19's generalized tensor parallelism); launch with gtp_remat=1 for torchtitan"
+        )
     if layout.expert > 1 and layout.expert_tensor != 1:
         raise TorchtitanError(
             f"parallel.expert.tensor={layout.expert_tensor}: torchtitan 0.3.0's expert mesh "

@@ -56,3 +56,30 @@ def test_plan_command_takes_the_gtp_flags(capsys: pytest.CaptureFixture[str]) ->
     assert main([*args, "--expert-gtp-remat", "2", "--json"]) == 0
     groups = json.loads(capsys.readouterr().out)
     assert groups["gtp_remat"][0] == [0, 2] and groups["expert_gtp_remat"][0] == [0, 4]
+
+
+def test_an_order_not_in_lowercase_is_refused_with_gtp_remat() -> None:
+    # megatron-core 0.19's _inject_gtp_remat_axis looks for 'tp' (dense) and 'ep' (expert) case-
+    # sensitively: with "TP-CP-EP-DP-PP" it puts gtp_remat first (GTP groups [0, 1], ...), where
+    # parallelctx, which reads the order in any case, put it after tp ([0, 2], ...): silently
+    # other groups than Megatron's own init. Refused by name instead; size 1 changes no group.
+    for kwargs in ({"gtp_remat": 2}, {"expert": 2, "expert_gtp_remat": 2}):
+        with pytest.raises(LayoutError, match=r"order='TP-CP-EP-DP-PP'.*gtp_remat=2.*lowercase"):
+            plan(8, tensor=2, order="TP-CP-EP-DP-PP", **kwargs)
+    upper = plan(8, tensor=2, order="TP-CP-EP-DP-PP")
+    assert upper.groups(M.TENSOR) == plan(8, tensor=2).groups(M.TENSOR)
+    assert plan(8, tensor=2, gtp_remat=2, order="tp-cp-ep-dp-pp").groups(M.GTP_REMAT)[0] == [0, 2]
+
+
+def test_the_picture_shows_every_rank_once_with_gtp_remat(capsys: pytest.CaptureFixture[str]) -> None:
+    # The grid picture had a column per (cp, tp) only: with gtp_remat=2 it left out half the ranks.
+    from parallelctx.cli.tables import layout_picture
+
+    for layout in (plan(8, tensor=2, gtp_remat=2), plan(16, tensor=2, pipeline=2, gtp_remat=2, context=2)):
+        picture = layout_picture(layout).plain
+        cells = [
+            int(c) for line in picture.splitlines() if line.startswith("  dp ") for c in line.split()[2:]
+        ]
+        assert sorted(cells) == list(range(layout.world_size)), picture
+        assert "gtp_remat" in picture
+    assert "columns = (cp, tp), rows = dp" in layout_picture(plan(8, tensor=2)).plain  # unchanged at 1

@@ -179,3 +179,28 @@ def test_gtp_remat_group_of_every_rank() -> None:
                     assert layout.group_of(mode, rank) == group, (gtp, egtp, order, mode, rank)
                     checked += 1
     assert checked > 1000, checked
+
+
+def test_megatron_places_gtp_remat_first_in_an_upper_case_order() -> None:
+    # Why parallelctx refuses an order not in lowercase with a gtp_remat size > 1
+    # (tests/test_gtp_layout.py): 0.19 matches 'tp' and 'ep' case-sensitively when it places
+    # gtp_remat, so its groups differ from the lowercase order's.
+    order = ps._inject_gtp_remat_axis("TP-CP-EP-DP-PP", after="tp")
+    gen = ps.RankGenerator(tp=2, ep=1, dp=2, pp=1, cp=1, order=order, gtp_remat=2)
+    assert sorted(gen.get_ranks("gtp_remat")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan(8, tensor=2, gtp_remat=2).groups(ParallelMode.GTP_REMAT)[0] == [0, 2]
+    with pytest.raises(LayoutError, match="lowercase"):
+        plan(8, tensor=2, gtp_remat=2, order="TP-CP-EP-DP-PP")
+
+
+def test_install_refuses_megatrons_upper_case_order_with_gtp_remat() -> None:
+    # install()'s order check compared gpc's layout of the order read in lowercase, so
+    # initialize_model_parallel(order="TP-CP-EP-DP-PP", gtp_remat_size=2) was taken as gpc's own
+    # order although Megatron's init would place gtp_remat first.
+    from parallelctx.megatron.options import parse_options
+    from parallelctx.megatron.release import detect
+
+    layout = plan(8, tensor=2, gtp_remat=2)
+    with pytest.raises(ValueError, match=r"install\(order='TP-CP-EP-DP-PP'\).*lowercase"):
+        parse_options(layout, {"order": "TP-CP-EP-DP-PP", "gtp_remat_size": 2}, detect())
+    parse_options(layout, {"order": "tp-cp-ep-dp-pp", "gtp_remat_size": 2}, detect())

@@ -90,6 +90,22 @@ def test_docs_expert_mesh_example_with_pp_before_dp() -> None:
     assert mesh_plan(layout, grid="expert").dim_names == ("edp_replicate", "edp_shard", "pp", "ep", "etp")
 
 
+def test_a_grid_with_gtp_remat_is_refused_naming_it() -> None:
+    # The mesh has no gtp_remat dimension: with gtp_remat > 1 it would hold world / gtp_remat
+    # ranks, and the ranks outside it would fail with an IndexError (or a DeviceMesh over part
+    # of the world) instead of a clear refusal.
+    layout = plan(8, tensor=2, gtp_remat=2)
+    with pytest.raises(LayoutError, match=r"gtp_remat=2.*dense"):
+        mesh_plan(layout)
+    assert mesh_plan(layout, grid="expert").ranks.size == 8  # expert grid: no gtp_remat there
+    layout = plan(8, expert=2, expert_gtp_remat=2)
+    with pytest.raises(LayoutError, match=r"expert_gtp_remat=2.*expert"):
+        mesh_plan(layout, grid="expert")
+    assert mesh_plan(layout).ranks.size == 8
+    with pytest.raises(LayoutError, match="gtp_remat=2"):
+        build_device_mesh(plan(2, gtp_remat=2), 1, {}, "cpu")
+
+
 def test_bad_grid_is_named() -> None:
     with pytest.raises(LayoutError, match="grid='sparse'"):
         mesh_plan(plan(4), grid="sparse")

@@ -100,6 +100,16 @@ def test_layouts_torchtitan_cannot_describe_are_refused() -> None:
         check_layout(plan(8, tensor=1, expert=2, replicate=2, order="tp-cp-dp-ep-pp"))
 
 
+def test_gtp_remat_is_refused_naming_it() -> None:
+    # torchtitan's meshes have no gtp_remat axis; the order check alone passed gtp_remat=2 where
+    # every other axis is 1 (a mesh of half the world), and blamed the default order elsewhere.
+    for layout in (plan(2, gtp_remat=2), plan(4, tensor=2, gtp_remat=2), plan(8, tensor=2, gtp_remat=2)):
+        with pytest.raises(TorchtitanError, match=r"gtp_remat=2: torchtitan"):
+            check_layout(layout)
+    with pytest.raises(TorchtitanError, match=r"expert.gtp_remat=2: torchtitan"):
+        check_layout(plan(4, expert=2, expert_gtp_remat=2))
+
+
 def test_missing_torchtitan_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

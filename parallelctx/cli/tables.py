@@ -60,7 +60,8 @@ def layout_table(layout: Layout, modes: list[ParallelMode] | None = None) -> Tab
 
 def layout_picture(layout: Layout, max_ranks: int = 256) -> Text:
     """Return a picture of the dense grid: one block per pipeline stage, a row per data
-    coordinate, a column per (context, tensor) coordinate, each cell a global rank.
+    coordinate, a column per (context, tensor) coordinate (per (context, gtp_remat, tensor)
+    coordinate when the gtp_remat size is above 1), each cell a global rank.
 
     Worlds larger than ``max_ranks`` get a one-line note instead.
     """
@@ -68,19 +69,24 @@ def layout_picture(layout: Layout, max_ranks: int = 256) -> Text:
         return Text(f"(grid picture omitted: {layout.world_size} ranks > {max_ranks})")
     strides = layout.strides("dense")
     width = len(str(layout.world_size - 1))
+    gtp = layout.gtp_remat
+    columns = [(cp, g, tp) for cp in range(layout.context) for g in range(gtp) for tp in range(layout.tensor)]
+
+    def label(cp: int, g: int, tp: int) -> str:
+        return f"{cp},{g},{tp}" if gtp > 1 else f"{cp},{tp}"
+
+    cell = max(width, 5 if gtp > 1 else 3)
+    names = "(cp, gtp_remat, tp)" if gtp > 1 else "(cp, tp)"
     lines: list[str] = []
     for pp in range(layout.pipeline):
-        lines.append(f"pipeline stage {pp}:  columns = (cp, tp), rows = dp")
-        header = " " * 8 + " ".join(
-            f"{f'{cp},{tp}':>{max(width, 3)}}" for cp in range(layout.context) for tp in range(layout.tensor)
-        )
-        lines.append(header)
+        lines.append(f"pipeline stage {pp}:  columns = {names}, rows = dp")
+        lines.append(" " * 8 + " ".join(f"{label(*c):>{cell}}" for c in columns))
         for dp in range(layout.data):
             cells = []
-            for cp in range(layout.context):
-                for tp in range(layout.tensor):
-                    rank = pp * strides["pp"] + dp * strides["dp"] + cp * strides["cp"] + tp * strides["tp"]
-                    cells.append(f"{rank:>{max(width, 3)}}")
+            for cp, g, tp in columns:
+                rank = pp * strides["pp"] + dp * strides["dp"] + cp * strides["cp"] + tp * strides["tp"]
+                rank += g * strides["gtp_remat"]
+                cells.append(f"{rank:>{cell}}")
             lines.append(f"  dp {dp:<3}" + " ".join(cells))
     return Text("\n".join(lines))
 
