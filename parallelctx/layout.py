@@ -413,7 +413,10 @@ class Layout:
 
     @property
     def tokens(self) -> tuple[str, ...]:
-        """The full order, fastest-varying first, with unnamed axes of size 1 appended."""
+        """The full order, fastest-varying first, with the unnamed axes appended. An unnamed
+        ``gtp_remat`` is listed last here but placed in each grid as Megatron-core 0.19 places it
+        (after ``tp`` in the dense grid, after ``ep`` in the expert grid): :meth:`strides` gives
+        its real place."""
         return self._tokens
 
     def size(self, mode: ParallelMode | str) -> int:
