@@ -248,6 +248,13 @@ def test_f_has_a_working_gpc_on_every_rank():
     t = torch.ones(1)
     dist.all_reduce(t, group=gpc.get_group(ParallelMode.TENSOR))
     assert t.item() == 2
+    LAYOUTS.append(gpc.layout)
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_g_keeps_an_unchanged_gpc():
+    assert gpc.layout is LAYOUTS[-1]  # the same launch, only seeded anew
+
+LAYOUTS = []
 
 def _free_port_from(folder, rank):
     import socket, time
@@ -272,4 +279,4 @@ def test_a_test_that_changes_gpc_never_hands_it_changed_to_the_next(pytester: py
     config, launched another layout itself, or destroyed it (on one rank or all)."""
     pytester.makepyfile(test_changes_gpc=CHANGES_GPC)
     result = pytester.runpytest("-p", "no:cacheprovider", "-v", "test_changes_gpc.py")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)

@@ -407,8 +407,11 @@ class Pool:
             outcome.stacks = self._dump_stacks({r: self.session_pids.get(r) for r in outcome.hung})
         if outcome.hung or outcome.dead or exited or len(outcome.results) < self.world_size:
             self.end_session(exited, broken, kill=set(outcome.hung))
-        # after a failure or a skip somewhere, every rank launches gpc anew for the next test
-        self.relaunch = any(res["outcome"] != "passed" for res in outcome.results.values())
+        # after a failure or a skip somewhere, or a test that destroyed, relaunched or changed
+        # gpc on some rank, every rank launches gpc anew for the next test
+        self.relaunch = any(
+            res["outcome"] != "passed" or not res.get("keep", False) for res in outcome.results.values()
+        )
         outcome.broken = sorted(broken)
         outcome.elapsed = time.monotonic() - begin
         for rank, (out_at, err_at) in offsets.items():
