@@ -273,7 +273,11 @@ class Pool:
         if len(set(found.values())) <= 1:
             return ""
         versions = ", ".join(
-            f"rank {r} did not collect it" if v is None else f"rank {r} with {v or 'no parameters'}"
+            f"rank {r} did not collect it"
+            if v is None
+            else f"rank {r} with {v}"
+            if v
+            else f"rank {r} collected it"
             for r, v in found.items()
         )
         try:
