@@ -255,6 +255,18 @@ def test_g_keeps_an_unchanged_gpc():
     assert gpc.layout is LAYOUTS[-1]  # the same launch, only seeded anew
 
 LAYOUTS = []
+INSTALLED = {}
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_h_installs_something_until_gpc_is_destroyed():
+    # as parallelctx.megatron.install() does: a second install() before gpc.destroy() is refused
+    assert not INSTALLED, "the previous test's install was never torn down"
+    INSTALLED["megatron"] = True
+    gpc.add_destroy_hook(INSTALLED.clear)
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_i_installs_it_again():
+    test_h_installs_something_until_gpc_is_destroyed()
 
 def _free_port_from(folder, rank):
     import socket, time
@@ -276,7 +288,8 @@ def _free_port_from(folder, rank):
 
 def test_a_test_that_changes_gpc_never_hands_it_changed_to_the_next(pytester: pytest.Pytester) -> None:
     """gpc is kept between passing tests with the same config: not when the test changed its
-    config, launched another layout itself, or destroyed it (on one rank or all)."""
+    config, launched another layout itself, destroyed it (on one rank or all), or added a destroy
+    hook (what it installed on gpc is torn down before the next test)."""
     pytester.makepyfile(test_changes_gpc=CHANGES_GPC)
     result = pytester.runpytest("-p", "no:cacheprovider", "-v", "test_changes_gpc.py")
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=9)
