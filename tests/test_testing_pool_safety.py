@@ -138,6 +138,11 @@ def test_random(x):
     pass
 
 @pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("y", [random.random()])
+def test_random_id(y):
+    pass
+
+@pytest.mark.parallel(world_size=2)
 @pytest.mark.parametrize("n", [1, 2])
 def test_same_on_every_rank(n):
     open(f"pid-{os.getpid()}", "w").close()
@@ -145,10 +150,12 @@ def test_same_on_every_rank(n):
 """
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=300)
-    result.assert_outcomes(failed=1, passed=2)
-    result.stdout.fnmatch_lines(
+    result.assert_outcomes(failed=2, passed=2)
+    result.stdout.fnmatch_lines_random(
         [
             "*test_random[[]x[]] FAILED*",
+            "*test_random_id[[]0.* FAILED*",
+            "*no rank collected test_mixed.py::test_random_id[[]0.*[]] (the ranks collected different tests: *",
             "*the ranks collected test_mixed.py::test_random[[]x[]] differently: rank 0 with x=0.*, rank 1 with x=0.*",
         ]
     )
