@@ -266,10 +266,17 @@ class Pool:
 
         Returns:
             The message that names each rank's version and the first difference between the
-            ranks' collections, or "" when every rank collected the test alike (or none did:
-            the rank then reports its collection errors).
+            ranks' collections, or "" when every rank collected the test alike (or none did
+            while the ranks' collections agree: the rank then reports its collection errors).
         """
         found = {r: dict(items).get(nodeid) for r, items in sorted(self.collected.items())}
+        try:
+            check_same_collection(self.collected)
+            first = ""
+        except PoolError as exc:
+            first = f" ({exc})"
+        if set(found.values()) == {None} and first:  # its id holds a per-process value
+            return f"no rank collected {nodeid}{first}"
         if len(set(found.values())) <= 1:
             return ""
         versions = ", ".join(
@@ -280,11 +287,6 @@ class Pool:
             else f"rank {r} collected it"
             for r, v in found.items()
         )
-        try:
-            check_same_collection(self.collected)
-            first = ""
-        except PoolError as exc:
-            first = f" ({exc})"
         return f"the ranks collected {nodeid} differently: {versions}{first}"
 
     def open_session(self) -> None:
