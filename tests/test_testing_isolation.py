@@ -210,3 +210,86 @@ def test_param(n):
     last.stdout.fnmatch_lines(["*test_param[[]2[]] FAILED*"])
     picked = suite.runpytest("-p", "no:cacheprovider", "-v", "-k", "param and 1", "test_d_fails.py")
     picked.assert_outcomes(passed=1, deselected=1)
+
+
+CHANGES_GPC = """
+import pytest, torch, torch.distributed as dist
+from parallelctx import gpc, ParallelMode, launch
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_a_changes_the_config():
+    gpc.config.seed = 7  # passes: a test may tweak its own config
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_b_sees_the_markers_seed():
+    assert gpc.config.seed == 1024
+    drawn = torch.rand(2)
+    gpc.set_seed(1024)  # the seeds of a fresh launch for this marker
+    assert torch.equal(torch.rand(2), drawn)
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_c_relaunches_another_layout(tmp_path):
+    rank = gpc.get_global_rank()
+    gpc.destroy()
+    port = _free_port_from(tmp_path, rank)
+    launch(dict(parallel=dict(tensor=1)), rank=rank, world_size=2, host="127.0.0.1", port=port)
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_d_gets_the_markers_layout():
+    assert gpc.get_world_size(ParallelMode.TENSOR) == 2
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_e_destroys_on_one_rank():
+    if gpc.get_global_rank() == 0:
+        gpc.destroy()
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_f_has_a_working_gpc_on_every_rank():
+    t = torch.ones(1)
+    dist.all_reduce(t, group=gpc.get_group(ParallelMode.TENSOR))
+    assert t.item() == 2
+    LAYOUTS.append(gpc.layout)
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_g_keeps_an_unchanged_gpc():
+    assert gpc.layout is LAYOUTS[-1]  # the same launch, only seeded anew
+
+LAYOUTS = []
+INSTALLED = {}
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_h_installs_something_until_gpc_is_destroyed():
+    # as parallelctx.megatron.install() does: a second install() before gpc.destroy() is refused
+    assert not INSTALLED, "the previous test's install was never torn down"
+    INSTALLED["megatron"] = True
+    gpc.add_destroy_hook(INSTALLED.clear)
+
+@pytest.mark.parallel(world_size=2, tensor=2, timeout=60)
+def test_i_installs_it_again():
+    test_h_installs_something_until_gpc_is_destroyed()
+
+def _free_port_from(folder, rank):
+    import socket, time
+    path = folder / "port"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        path.with_suffix(".tmp").write_text(str(port))
+        path.with_suffix(".tmp").rename(path)
+        return port
+    deadline = time.monotonic() + 30
+    while not path.exists():
+        assert time.monotonic() < deadline, "rank 0 wrote no port"
+        time.sleep(0.05)
+    return int(path.read_text())
+"""
+
+
+def test_a_test_that_changes_gpc_never_hands_it_changed_to_the_next(pytester: pytest.Pytester) -> None:
+    """gpc is kept between passing tests with the same config: not when the test changed its
+    config, launched another layout itself, destroyed it (on one rank or all), or added a destroy
+    hook (what it installed on gpc is torn down before the next test)."""
+    pytester.makepyfile(test_changes_gpc=CHANGES_GPC)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-v", "test_changes_gpc.py")
+    result.assert_outcomes(passed=9)

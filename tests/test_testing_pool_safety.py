@@ -123,6 +123,45 @@ def test_random(x):
     )
 
 
+def test_one_test_collected_differently_fails_alone(pytester: pytest.Pytester) -> None:
+    """A process-dependent parameter fails its own test, naming the difference; the other
+    tests of the file (same on every rank) still run, and the pool starts once, not per test."""
+    pytester.makepyfile(
+        test_mixed="""
+import os, random
+import pytest
+from parallelctx import gpc, ParallelMode
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("x", [random.random()], ids=["x"])
+def test_random(x):
+    pass
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("y", [random.random()])
+def test_random_id(y):
+    pass
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("n", [1, 2])
+def test_same_on_every_rank(n):
+    open(f"pid-{os.getpid()}", "w").close()
+    assert gpc.get_world_size(ParallelMode.GLOBAL) == 2
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=300)
+    result.assert_outcomes(failed=2, passed=2)
+    result.stdout.fnmatch_lines_random(
+        [
+            "*test_random[[]x[]] FAILED*",
+            "*test_random_id[[]0.* FAILED*",
+            "*no rank collected test_mixed.py::test_random_id[[]0.*[]] (the ranks collected different tests: *",
+            "*the ranks collected test_mixed.py::test_random[[]x[]] differently: rank 0 with x=0.*, rank 1 with x=0.*",
+        ]
+    )
+    assert len(list(pytester.path.glob("pid-*"))) == 2  # one session process per rank for both tests
+
+
 def test_coverage_counts_lines_run_on_every_rank(pytester: pytest.Pytester) -> None:
     pytest.importorskip("pytest_cov")
     pytester.makepyfile(

@@ -541,6 +541,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         problem = f"could not start a pool of {world_size} ranks: {exc}"
     if problem:
         pytest.fail(problem, pytrace=False)
+    problem = pool.collection_problem(pyfuncitem.nodeid)
+    if problem:  # this test's parameters depend on the process: it fails, the others run
+        pytest.fail(problem, pytrace=False)
     spec = {
         "nodeid": pyfuncitem.nodeid,
         "config": config,

@@ -157,6 +157,8 @@ class Pool:
         #: Rank 0's rendezvous store port, and each rank's session process, while one is open.
         self.port = 0
         self.session_pids: dict[int, int] = {}
+        #: Each rank's collected ``[(node id, parameters)]``, from its session's start.
+        self.collected: dict[int, list[tuple[str, str]]] = {}
         #: How many times the ranks' session processes were started (1 + one per replacement).
         self.sessions_started = 0
         #: A zygote's warning that forking it may be unsafe (empty when it is not).
@@ -258,15 +260,43 @@ class Pool:
             conn.send(("session", {**session, "basetemp": str(self.dir / f"rank{rank}-tmp")}))
         self.open_session()
 
+    def collection_problem(self, nodeid: str) -> str:
+        """Whether the ranks collected ``nodeid`` differently (with other parameter values, or
+        only some of them): a problem of that test alone, so the others still run.
+
+        Returns:
+            The message that names each rank's version and the first difference between the
+            ranks' collections, or "" when every rank collected the test alike (or none did
+            while the ranks' collections agree: the rank then reports its collection errors).
+        """
+        found = {r: dict(items).get(nodeid) for r, items in sorted(self.collected.items())}
+        try:
+            check_same_collection(self.collected)
+            first = ""
+        except PoolError as exc:
+            first = f" ({exc})"
+        if set(found.values()) == {None} and first:  # its id holds a per-process value
+            return f"no rank collected {nodeid}{first}"
+        if len(set(found.values())) <= 1:
+            return ""
+        versions = ", ".join(
+            f"rank {r} did not collect it"
+            if v is None
+            else f"rank {r} with {v}"
+            if v
+            else f"rank {r} collected it"
+            for r, v in found.items()
+        )
+        return f"the ranks collected {nodeid} differently: {versions}{first}"
+
     def open_session(self) -> None:
         """Have every rank's zygote fork its session process and wait until each has started its
-        pytest session and collected; check that every rank collected the same tests with the
-        same parameter values. Returns None.
+        pytest session and collected; keep what each collected (:meth:`collection_problem`
+        checks a test against it before it runs). Returns None.
 
         Raises:
-            PoolError: a session process ended or failed while starting, did not answer within
-                the start timeout, or the ranks collected different tests (the message names
-                the first difference); the caller must :meth:`kill` the pool.
+            PoolError: a session process ended or failed while starting or did not answer
+                within the start timeout; the caller must :meth:`kill` the pool.
         """
         deadline = time.monotonic() + self.start_timeout
         for conn in self._conns.values():
@@ -294,7 +324,7 @@ class Pool:
                             f"{message[1]['error']}"
                         )
                     infos[rank] = message[1]
-        check_same_collection({r: info["items"] for r, info in infos.items()})
+        self.collected = {r: [(str(a), str(b)) for a, b in info["items"]] for r, info in infos.items()}
         self.port = int(infos[0]["port"])
         self.session_pids = {r: int(info["pid"]) for r, info in infos.items()}
         self.warning = next((info["warning"] for info in infos.values() if info.get("warning")), "")
@@ -407,8 +437,11 @@ class Pool:
             outcome.stacks = self._dump_stacks({r: self.session_pids.get(r) for r in outcome.hung})
         if outcome.hung or outcome.dead or exited or len(outcome.results) < self.world_size:
             self.end_session(exited, broken, kill=set(outcome.hung))
-        # after a failure or a skip somewhere, every rank launches gpc anew for the next test
-        self.relaunch = any(res["outcome"] != "passed" for res in outcome.results.values())
+        # after a failure or a skip somewhere, or a test that destroyed, relaunched or changed
+        # gpc on some rank, every rank launches gpc anew for the next test
+        self.relaunch = any(
+            res["outcome"] != "passed" or not res.get("keep", False) for res in outcome.results.values()
+        )
         outcome.broken = sorted(broken)
         outcome.elapsed = time.monotonic() - begin
         for rank, (out_at, err_at) in offsets.items():

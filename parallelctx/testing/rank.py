@@ -14,6 +14,7 @@ the process state pytest does not restore is put back after each test (:class:`_
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -120,6 +121,9 @@ class RankPlugin:
         self.collect_errors: list[str] = []
         #: The (config, lazy) that ``gpc`` was last launched with by this plugin.
         self.launched: tuple[dict[str, Any], bool] | None = None
+        #: What that launch made: ``gpc``'s layout object and its config as a dict, to tell
+        #: whether a test relaunched, destroyed or changed ``gpc`` (then it is not kept).
+        self.made: tuple[Any, dict[str, Any], list[Any]] | None = None
 
     def begin(self, spec: dict[str, Any], port: int) -> None:
         """Set the test this process runs next, and rank 0's store port."""
@@ -157,6 +161,7 @@ class RankPlugin:
                 return
             gpc.destroy()
         self.launched = None
+        self.made = None
         if simulate:  # a dry run of one rank of a big world (parallelctx.dryrun)
             sim = {"world_size": simulate["world_size"], "rank": simulate["ranks"][self.rank]}
             launch(self.spec["config"], simulate=sim)
@@ -179,6 +184,24 @@ class RankPlugin:
             if lazy:
                 os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
         self.launched = key
+        self.made = (gpc.layout, copy.deepcopy(gpc.config.to_dict()), list(gpc._destroy_hooks))
+
+    def keepable(self) -> bool:
+        """Whether ``gpc`` is still what this plugin launched for the test, unchanged: the
+        same launch (the test did not destroy it or launch another layout) with the same
+        config (the test did not set ``gpc.config.seed`` or another key) and the same destroy
+        hooks (the test installed nothing that lives until ``gpc.destroy()``, as
+        ``parallelctx.megatron.install()`` does). The controller relaunches on every rank when
+        one rank's answer is no."""
+        from ..context import ParallelMode, gpc
+
+        if self.made is None or not gpc.is_initialized(ParallelMode.GLOBAL):
+            return False
+        layout, config, hooks = self.made
+        try:
+            return gpc.layout is layout and gpc._destroy_hooks == hooks and gpc.config.to_dict() == config
+        except Exception:  # a config that cannot be read back or compared is not kept
+            return False
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
@@ -226,6 +249,7 @@ class RankPlugin:
             "time": time.time(),
             "peer_loss": False,
             "sections": self.sections,
+            "keep": self.keepable(),
         }
         decided = next((p for p in self.phases if p["outcome"] != "passed"), None)
         failure = next((p for p in self.phases if p["outcome"] == "failed"), None)
