@@ -51,7 +51,10 @@ def _int_arg(name: str, value: Any, low: int, high: int, high_text: str | None =
         whole = (isinstance(value, str) and value.strip().isdigit()) or (
             isinstance(value, float) and math.isfinite(value) and value.is_integer()
         )
-        hint = f" (write {name}={int(value)})" if whole else ""
+        try:  # str.strip() drops characters int() refuses, e.g. "0\x1f"
+            hint = f" (write {name}={int(value)})" if whole else ""
+        except ValueError:
+            hint = ""
         raise LaunchArgumentError(
             f"{name}={_shown(value)} is of type {type(value).__name__}; {name} must be an int in "
             f"[{low}, {high_text or high}]{hint}"

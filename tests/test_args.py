@@ -86,3 +86,10 @@ def test_bad_arguments_name_the_argument(kwargs: dict, message: str) -> None:
 def test_the_largest_world_is_accepted() -> None:
     args = validate_launch_args(rank=MAX_WORLD_SIZE - 1, world_size=MAX_WORLD_SIZE, port=29500)
     assert args.rank == MAX_WORLD_SIZE - 1
+
+
+def test_a_string_rank_with_a_separator_character_is_refused_with_its_message() -> None:
+    # Found by the launch-argument fuzzer: str.strip() drops "\x1f" but int() refuses it, so the
+    # hint's int() raised a bare ValueError instead of the argument error.
+    with pytest.raises(LaunchArgumentError, match=r"rank='0\\x1f' is of type str"):
+        validate_launch_args(rank="0\x1f")
