@@ -146,10 +146,13 @@ class BridgeUtils(_Base):
 
 
 class _Outcomes:
-    """A pytest plugin that records each test's outcome (call phase, or a failed setup)."""
+    """A pytest plugin that records each test's outcome (call phase, or a failed setup), and
+    rewrites ``out`` after each one, so a run stopped by its time limit still tells how far
+    each rank got."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path) -> None:
         self.found: dict[str, str] = {}
+        self.out = out
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
@@ -157,6 +160,7 @@ class _Outcomes:
             if hasattr(report, "wasxfail"):
                 outcome = "xfailed" if report.skipped else "xpassed"
             self.found[report.nodeid.split("::", 1)[1]] = outcome
+            self.out.write_text(json.dumps(self.found))
 
 
 def run_rank(test_file: str, mode: str, out: str) -> int:
@@ -169,7 +173,7 @@ def run_rank(test_file: str, mode: str, out: str) -> int:
     sys.modules["tests.unit_tests.test_utilities"] = utils
     where = Path(test_file).parent
     (where / "pytest.ini").write_text("[pytest]\nmarkers =\n    internal\n    flaky\n    flaky_in_dev\n")
-    plugin = _Outcomes()
+    plugin = _Outcomes(Path(out))
     code = pytest.main(
         [test_file, "-q", "-p", "no:cacheprovider", "-p", "no:parallelctx", "--rootdir", str(where)],
         plugins=[plugin],
