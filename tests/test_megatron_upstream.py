@@ -6,7 +6,9 @@ downloaded from GitHub into ``.cache/megatron-lm/<tag>/``. It then runs twice on
 (gloo), each rank a process running pytest on it, with the file's ``Utils`` pointed at Megatron's
 own ``initialize_model_parallel`` (the control) and at gpc + ``parallelctx.megatron.install()``
 (tests/megatron_upstream.py). Every test that passes on every rank under Megatron's own init must
-pass on every rank on the bridge.
+pass on every rank on the bridge. Each rank records its outcomes after every test; a run past
+``PARALLELCTX_MEGATRON_UPSTREAM_TIMEOUT`` seconds a rank (default 1500) fails saying how many tests
+each rank finished.
 
 Heavy (Megatron's own init on CPU starts many gloo connections), so it runs only from
 ``make test-megatron-upstream`` (``PARALLELCTX_MEGATRON_UPSTREAM=1``); without the file and
