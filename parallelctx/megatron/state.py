@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ..context import gpc
-from ..groups import _claim_name, _compact, gloo_lazy_init, local_sync_blocker
+from ..groups import _claim_name, _compact, lazy_gloo, local_sync_blocker
 from ..layout import Layout, ParallelMode
 from .options import Options
 from .release import known_globals, pristine
@@ -75,7 +75,7 @@ class Maker:
         """This rank's new group with ``members`` (``every`` lists all groups of the kind); a
         gloo group connects on its first collective when gpc's own groups do
         (``dist.gloo_lazy_init``)."""
-        with gloo_lazy_init(gpc.config.dist.gloo_lazy_init):
+        with lazy_gloo(gpc.config.dist.gloo_lazy_init):
             return self._make(members, every, desc)
 
     def _make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
