@@ -181,9 +181,11 @@ def compare_layout(
     options = case.get("options", {})
     # the pg_collection route: no install, parallel_state left alone
     globals_before = {name: getattr(ps, name) for name in _release_globals()}
+    dist.barrier()  # every earlier collective done: no peer connects to this rank meanwhile
     connected = _established()
     pgc = bridge.process_groups(**options)
     new_connections = len(_established() - connected)
+    dist.barrier()  # ... and none uses the new groups before every rank has counted
     groups_after_first = len(dist.distributed_c10d._world.pg_names)
     our_collection = collection(pgc)
     route = {
