@@ -1,7 +1,7 @@
 """Start-up of Megatron-core's ``parallel_state`` through parallelctx against Megatron's own.
 
     python -m benchmarks.megatron_bridge [--worlds 8 16] [--repeats 5] [--sim-world 16384]
-    python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --sim-world 0
+    python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --sim-world 0 --gloo eager lazy
 
 With ``--route process_groups`` the parallelctx side is ``launch + parallelctx.megatron.
 process_groups()`` (the ``pg_collection`` route, ``parallel_state`` left alone) and the section
@@ -13,9 +13,11 @@ parallelctx's groups, host count, seeds, then the groups parallelctx lacks and e
 ``parallel_state`` global) with ``initialize_model_parallel(tp, pp)``, both ending with
 ``parallel_state`` ready for Megatron-core's layers:
 
-* one torchrun job per world size (tensor 2, pipeline 2 up to 8 ranks and 4 beyond; eager gloo)
-  with :mod:`benchmarks.startup_worker` alternating the two, ``--repeats`` rounds after a
-  warm-up; the ratio is the median over rounds of the bridge's time over Megatron's;
+* one torchrun job per world size and gloo mode (tensor 2, pipeline 2 up to 8 ranks and 4
+  beyond; ``--gloo eager``: ``TORCH_GLOO_LAZY_INIT=0``, every group connects all its pairs when
+  made; ``lazy``: ``=1`` for both libraries, pairs connect on first use, as NCCL does) with
+  :mod:`benchmarks.startup_worker` alternating the two, ``--repeats`` rounds after a warm-up;
+  the ratio is the median over rounds of the bridge's time over Megatron's;
 * one process acting as the last rank of a ``--sim-world`` world with the fake backend
   (:mod:`benchmarks.simulate`): the per-rank cost when the world is large.
 
@@ -58,17 +60,18 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]], lib: str 
     ours_name = "launch + install()" if lib == "bridge" else "launch + process_groups()"
     lines = [
         (
-            f"| world | layout | {ours_name} | initialize_model_parallel | ratio "
+            f"| world | layout | gloo | {ours_name} | initialize_model_parallel | ratio "
             "| to first collective: ratio | new_group calls / rank (bridge, Megatron) |"
         ),
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in runs:
         ours, theirs, ratio = _ratio(run, "create_s", lib)
         _, _, first = _ratio(run, "first_collective_s", lib)
         last = {rec["lib"]: rec for rec in run["rounds"][-1]}
         lines.append(
-            f"| {run['world_size']} | tp {run['tensor']} pp {run['pipeline']} | {ours * 1e3:.1f} ms "
+            f"| {run['world_size']} | tp {run['tensor']} pp {run['pipeline']} "
+            f"| {'lazy' if run.get('lazy_init') else 'eager'} | {ours * 1e3:.1f} ms "
             f"| {theirs * 1e3:.1f} ms | {ratio:.2f} | {first:.2f} "
             f"| {last[lib]['calls_max']}, {last['megatron']['calls_max']} |"
         )
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     parser.add_argument("--route", choices=("install", "process_groups"), default="install")
+    parser.add_argument("--gloo", choices=("eager", "lazy"), nargs="+", default=["eager"])
     args = parser.parse_args(argv)
     lib = "bridge" if args.route == "install" else "bridge_pgc"
     args.libs, args.query_calls = f"{lib},megatron", 2000
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             print(f"layout: tensor 2, pipeline {pipeline_for(world)}", flush=True)
-            runs.append(startup_run(world, False, args, Path(tmp)))
+            runs += [startup_run(world, mode == "lazy", args, Path(tmp)) for mode in args.gloo]
     sims = (
         {lib: sim_run(lib, args.sim_world, args) for lib in ("bridge", "megatron")} if args.sim_world else {}
     )

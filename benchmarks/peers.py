@@ -209,20 +209,17 @@ def setup_bridge(tensor: int, pipeline: int) -> Built:
 
 
 def setup_bridge_pgc(tensor: int, pipeline: int) -> Built:
-    """parallelctx launched on the existing default group, as :func:`setup_bridge`, then
-    ``parallelctx.megatron.process_groups()``: the ``ProcessGroupCollection`` Megatron-core
+    """``parallelctx.launch_from_torch(config)`` on the existing default group (the user's path:
+    the launch rendezvous with its agreement check and host names, the groups, device, seeds),
+    then ``parallelctx.megatron.process_groups()``: the ``ProcessGroupCollection`` Megatron-core
     models take as ``pg_collection=``, with ``parallel_state`` left alone."""
     import dataclasses
 
+    import parallelctx
     import parallelctx.megatron as bridge
     from parallelctx import gpc
 
-    gpc.load_config({"parallel": {"tensor": tensor, "pipeline": pipeline}})
-    gpc.init_global_dist(dist.get_rank(), dist.get_world_size())
-    gpc.init_parallel_groups()
-    gpc.detect_num_processes_on_current_node()
-    gpc.set_device()
-    gpc.set_seed()
+    parallelctx.launch_from_torch({"parallel": {"tensor": tensor, "pipeline": pipeline}})
     before = len(dist.distributed_c10d._world.pg_names)
     pgc = bridge.process_groups()
     calls = gpc.group_creations + len(dist.distributed_c10d._world.pg_names) - before

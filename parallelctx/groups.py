@@ -46,7 +46,7 @@ import torch.distributed.distributed_c10d as c10d
 from . import abort as _abort
 from .layout import Layout, ParallelMode
 
-__all__ = ["ModeGroup", "Sockets", "create_groups", "creation_order", "local_sync_blocker"]
+__all__ = ["ModeGroup", "Sockets", "create_groups", "creation_order", "lazy_gloo", "local_sync_blocker"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -134,9 +134,10 @@ def _claim_name(members: Sequence[int], used: set[tuple[Sequence[int], int]]) ->
 
 
 @contextlib.contextmanager
-def _gloo_lazy_init(enabled: bool) -> Iterator[None]:
+def lazy_gloo(enabled: bool) -> Iterator[None]:
     """Make gloo groups built inside connect on their first collective (TORCH_GLOO_LAZY_INIT=1),
-    unless the user set the variable; restore the environment after."""
+    unless ``enabled`` is False or the user set the variable; restore the environment after.
+    Yields None; raises nothing of its own."""
     if not enabled or "TORCH_GLOO_LAZY_INIT" in os.environ:
         yield
         return
@@ -274,7 +275,7 @@ def create_groups(
             would reuse the name of one destroyed earlier (see :func:`_claim_name`).
     """
     used = set() if used_names is None else used_names
-    with _gloo_lazy_init(gloo_lazy_init):
+    with lazy_gloo(gloo_lazy_init):
         return _create(layout, rank, timeout, cpu_backend, used, sockets)
 
 

@@ -43,6 +43,19 @@ __all__ = [
 
 # Longest sleep between two polls of the store: Ctrl-C and SIGTERM are acted on within this.
 _SLICE_S = 0.25
+# Polls of the store per second that all ranks together may send when they start waiting: the
+# first sleep is world_size / this (at least 1 ms, at most 10 ms), so that a small job sees
+# its last rank within a millisecond or two and a large one does not flood the store server.
+_POLL_RATE = 500_000
+
+
+def _pauses(world_size: int) -> Iterator[float]:
+    """Yield the sleeps between two polls of the store: from ``world_size / _POLL_RATE``
+    seconds (within [1 ms, 10 ms]), each half as long again as the last, up to ``_SLICE_S``."""
+    pause = min(max(world_size / _POLL_RATE, 0.001), 0.01)
+    while True:
+        yield pause
+        pause = min(pause * 1.5, _SLICE_S)
 
 
 class RendezvousError(RuntimeError):
@@ -309,7 +322,7 @@ def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: flo
         raise _lost(0, where, exc) from None
     if world_size == 1:
         return prefix
-    pause = 0.01
+    pauses, named = _pauses(world_size), time.monotonic() + 0.05
     with _waiting(lambda: f"the other ranks of {world_size} at {where}"):
         while True:
             try:
@@ -320,12 +333,12 @@ def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: flo
             now = time.monotonic()
             if now >= deadline:
                 raise _not_arrived(_unanswered(store, prefix, world_size), world_size, seconds, where)
-            if pause > 0.05:
+            if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
+                named = now + _SLICE_S
                 missing = _unanswered(store, prefix, world_size)
                 if missing:
                     _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, _SLICE_S)
+            time.sleep(min(next(pauses), max(deadline - now, 0.0)))
         try:
             nonces = store.multi_get([f"{prefix}answer/{r}" for r in range(1, world_size)])
             store.set(prefix + "confirmed", b",".join(nonces))
@@ -339,7 +352,7 @@ def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, 
     rank 0 confirms it."""
     nonce = uuid.uuid4().hex.encode()
     answered: str | None = None
-    pause = 0.01
+    pauses = _pauses(world_size)
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
         while True:
             try:
@@ -361,8 +374,7 @@ def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, 
                 # (or the prefix was an earlier launch's), rank 0 never confirmed this launch.
                 missing = _unanswered(store, answered, world_size) if answered is not None else None
                 raise _not_arrived(missing or [0], world_size, seconds, where)
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, _SLICE_S)
+            time.sleep(min(next(pauses), max(deadline - now, 0.0)))
 
 
 def _unanswered(store: Any, prefix: str, world_size: int) -> list[int] | None:
@@ -418,7 +430,7 @@ def exchange(
         if rank == 0:
             _linger(store, world_size, deadline, awaited)
         return [arrival]
-    pause = 0.01
+    pauses, named = _pauses(world_size), time.monotonic() + 0.05
     with _waiting(lambda: awaited):
         while True:
             try:
@@ -443,12 +455,12 @@ def exchange(
             now = time.monotonic()
             if now >= deadline:
                 raise _not_arrived(_missing(store, world_size), world_size, seconds, where)
-            if pause > 0.05:
+            if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
+                named = now + _SLICE_S
                 missing = _missing(store, world_size)
                 if missing:
                     _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
-            time.sleep(min(pause, max(deadline - now, 0.0)))
-            pause = min(pause * 2, _SLICE_S)
+            time.sleep(min(next(pauses), max(deadline - now, 0.0)))
         try:
             keys = [f"arrive/{r}" for r in range(world_size)]
             arrivals = [pickle.loads(value) for value in store.multi_get(keys)]

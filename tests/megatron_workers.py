@@ -158,6 +158,13 @@ def non_pristine() -> list[str]:
     return [n for n in _release_globals() if getattr(ps, n) != bridge.release.pristine(n)]
 
 
+def _established() -> set[int]:
+    """The inodes of this process's connected TCP sockets (gloo pairs, the store client)."""
+    from parallelctx.abort import _tcp_sockets
+
+    return {inode for inode, _, _, _, state in _tcp_sockets() if state == "01"}
+
+
 def compare_layout(
     case: dict[str, Any], relaunch: Any, getters: dict[str, list[dict[str, Any]]]
 ) -> dict[str, Any]:
@@ -174,7 +181,11 @@ def compare_layout(
     options = case.get("options", {})
     # the pg_collection route: no install, parallel_state left alone
     globals_before = {name: getattr(ps, name) for name in _release_globals()}
+    dist.barrier()  # every earlier collective done: no peer connects to this rank meanwhile
+    connected = _established()
     pgc = bridge.process_groups(**options)
+    new_connections = len(_established() - connected)
+    dist.barrier()  # ... and none uses the new groups before every rank has counted
     groups_after_first = len(dist.distributed_c10d._world.pg_names)
     our_collection = collection(pgc)
     route = {
@@ -184,6 +195,7 @@ def compare_layout(
         "made_again": len(dist.distributed_c10d._world.pg_names) - groups_after_first,
         "tp_dp_cp": onehot(pgc.tp_dp_cp),
         "tp_cp": onehot(pgc.tp_cp),
+        "new_connections": new_connections,  # before their first collective (dist.gloo_lazy_init)
     }
     before = len(dist.distributed_c10d._world.pg_names)
     calls = bridge.install(virtual_pipeline_model_parallel_size=case.get("vpp"), **options)

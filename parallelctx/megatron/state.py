@@ -12,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ..context import gpc
-from ..groups import _claim_name, _compact, local_sync_blocker
+from ..groups import _claim_name, _compact, lazy_gloo, local_sync_blocker
 from ..layout import Layout, ParallelMode
 from .options import Options
 from .release import known_globals, pristine
@@ -72,7 +72,13 @@ class Maker:
         self.used: set[Any] = set() if gpc._owns_default_group else gpc._meetings.adopted_names()
 
     def make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
-        """This rank's new group with ``members`` (``every`` lists all groups of the kind)."""
+        """This rank's new group with ``members`` (``every`` lists all groups of the kind); a
+        gloo group connects on its first collective when gpc's own groups do
+        (``dist.gloo_lazy_init``)."""
+        with lazy_gloo(gpc.config.dist.gloo_lazy_init):
+            return self._make(members, every, desc)
+
+    def _make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
         if self.blocker is None:
             _claim_name(_compact(list(members)), self.used)
             group = dist.new_group(
