@@ -186,3 +186,21 @@ def test_fast_enum_reads_every_name_as_enum_does() -> None:
         and str(ParallelMode.TENSOR) == "tensor"
     )
     assert ParallelMode.parse("data") is ParallelMode.DATA and len(ParallelMode) == 20
+
+
+def test_the_version_ranks_agree_on_is_the_one_pyproject_installs() -> None:
+    """The launch agreement compares ``parallelctx.__version__`` (startup.agreed_values), so two
+    installs of different releases are refused only if that constant moves with the release:
+    pyproject must take the version from it, not keep a second copy that can drift."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "version" not in project["project"], "pyproject.toml: a static version beside __version__"
+    assert "version" in project["project"].get("dynamic", [])
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "parallelctx.__version__"}
+    import importlib.metadata
+
+    import parallelctx
+
+    assert importlib.metadata.version("parallelctx") == parallelctx.__version__
