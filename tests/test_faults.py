@@ -110,6 +110,17 @@ def test_bad_seed_on_one_rank_stops_every_rank_at_once() -> None:
     record(2, "`seed=-1` on rank 1 of 2", good["seconds"], first_line(good))
 
 
+def test_ranks_running_another_parallelctx_release_are_refused_by_name() -> None:
+    # The launch agreement compares parallelctx.__version__ (pyproject's version comes from it).
+    port = free_port()
+    procs = [start(r, 3, port, as_version="0.1.0.dev9" if r == 1 else None) for r in range(3)]
+    results = [result(p) for p in procs]
+    for res in results:
+        assert res["type"] == "RendezvousError", res
+        assert "parallelctx_version" in res["error"] and "'0.1.0.dev9' on rank 1" in res["error"], res
+        assert res["seconds"] < TIMEOUT, res  # refused at the exchange, not by the timeout
+
+
 def test_a_rank_that_fails_its_own_checks_raises_at_once_and_still_stops_the_others() -> None:
     # issue 27: the refusing rank raises before any waiting and tells the others in the
     # background; 10 runs, the refusing rank alternating (rank 0 serves the store).
