@@ -24,6 +24,21 @@ import torch.distributed as dist
 TIMEOUT = timedelta(seconds=120)
 
 
+def _drop_leaked_groups(keep: list[Any]) -> None:
+    """Destroy every process group but the default one and ``keep``.
+
+    Megatron's own test utilities only forget the groups they made (``destroy_model_parallel``
+    sets its globals to None). On NCCL that is cheap; on CPU every leaked gloo group keeps its
+    worker threads and sockets, and after a few dozen tests 8 ranks hold ~14,000 threads and
+    the machine stalls. Destroying them between tests changes no test's groups, only how many
+    dead ones pile up."""
+    world = dist.distributed_c10d._world
+    default = dist.distributed_c10d.GroupMember.WORLD
+    for pg in list(world.pg_map):
+        if pg is not default and not any(pg is k for k in keep):
+            dist.destroy_process_group(pg)
+
+
 class _Base:
     """What both shims share: the rank, the world, the default group as Megatron's Utils makes it."""
 
@@ -59,6 +74,8 @@ class MegatronUtils(_Base):
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
+        if dist.is_initialized():
+            _drop_leaked_groups([])
         cls.initialize_distributed()
         ps.initialize_model_parallel(
             tensor_model_parallel_size,
@@ -74,6 +91,7 @@ class MegatronUtils(_Base):
 
         ps.destroy_model_parallel()
         if dist.is_initialized():
+            _drop_leaked_groups([])
             dist.barrier()
 
 
@@ -89,14 +107,20 @@ class BridgeUtils(_Base):
 
         from parallelctx import gpc
 
-        if gpc._layout is not None:
-            held = len(dist.distributed_c10d._world.pg_names)
+        if not dist.is_initialized():
+            ps.destroy_model_parallel()
+            return
+        held = len(dist.distributed_c10d._world.pg_names)
+        launched = gpc._layout is not None
+        if launched:
             gpc.destroy()  # uninstalls too; the default group is the user's and stays
+        ps.destroy_model_parallel()  # what a direct call of Megatron's own init may have left
+        _drop_leaked_groups(cls.spacers)  # as the control does
+        if launched:
             # torch names locally synchronized groups by how many a process holds: kept groups
             # until it holds more than during this launch give the next launch fresh names
             while len(dist.distributed_c10d._world.pg_names) <= held:
                 cls.spacers.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
-        ps.destroy_model_parallel()  # what a direct call of Megatron's own init may have left
 
     @classmethod
     def initialize_model_parallel(
@@ -175,7 +199,18 @@ def run_rank(test_file: str, mode: str, out: str) -> int:
     (where / "pytest.ini").write_text("[pytest]\nmarkers =\n    internal\n    flaky\n    flaky_in_dev\n")
     plugin = _Outcomes(Path(out))
     code = pytest.main(
-        [test_file, "-q", "-p", "no:cacheprovider", "-p", "no:parallelctx", "--rootdir", str(where)],
+        [
+            test_file,
+            "-q",
+            "-rfE",
+            "--tb=short",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:parallelctx",
+            "--rootdir",
+            str(where),
+        ],
         plugins=[plugin],
     )
     Path(out).write_text(json.dumps(plugin.found))
