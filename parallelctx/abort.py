@@ -54,12 +54,17 @@ _LISTEN = "0A"
 def _socket_fds() -> dict[int, int]:
     """inode -> one file descriptor of this process for every socket it holds."""
     out: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                target = os.readlink(f"/proc/self/fd/{name}")
-                if target.startswith("socket:["):
-                    out[int(target[8:-1])] = int(name)
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:  # a plain try, not contextlib.suppress: this runs once per descriptor, per group
+            target = os.readlink("/proc/self/fd/" + name)
+            if target.startswith("socket:["):
+                out[int(target[8:-1])] = int(name)
+        except (OSError, ValueError):
+            continue  # closed meanwhile
     return out
 
 
@@ -93,12 +98,15 @@ def _proc_hex(family: int, address: str) -> str:
     return "".join(packed[i : i + 4][::-1].hex() for i in range(0, len(packed), 4)).upper()
 
 
-def listening() -> dict[int, Endpoint]:
+def listening(exclude: Collection[int] = ()) -> dict[int, Endpoint]:
     """Return the TCP listeners of this process: inode -> (address in hex, port), as
     /proc/net/tcp[6] would give them, but asked of this process's own sockets (the system-wide
-    tables are large on a busy machine, and reading them took tens of ms per launch)."""
+    tables are large on a busy machine, and reading them took tens of ms per launch). Sockets
+    whose inode is in ``exclude`` (e.g. every socket held before a launch) are not looked at."""
     out: dict[int, Endpoint] = {}
     for inode, fd in _socket_fds().items():
+        if inode in exclude:
+            continue
         with contextlib.suppress(OSError, ValueError):
             sock = socket.socket(fileno=os.dup(fd))
             try:
@@ -115,11 +123,10 @@ def listening() -> dict[int, Endpoint]:
 
 
 def new_listeners(before: Collection[int], exclude_ports: Collection[int] = ()) -> list[Endpoint]:
-    """Return the listeners of this process that are not in ``before`` (inodes from
-    :func:`listening`), leaving out ``exclude_ports`` (e.g. a rendezvous store served here)."""
-    return sorted(
-        local for inode, local in listening().items() if inode not in before and local[1] not in exclude_ports
-    )
+    """Return the listeners of this process that are not in ``before`` (socket inodes from
+    :func:`listening` or :func:`socket_inodes`), leaving out ``exclude_ports`` (e.g. a
+    rendezvous store served here)."""
+    return sorted(local for local in listening(before).values() if local[1] not in exclude_ports)
 
 
 def _matches(endpoint: Endpoint, listeners: Collection[Endpoint]) -> bool:

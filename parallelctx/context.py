@@ -272,9 +272,7 @@ class ParallelContext:
         self._owns_default_group = made.owned
         self._launch_kv, self._listen_before = made.store, made.listening
         if made.owned and world_size > 1:  # the default group's listener, for abort()
-            self._sockets.update(
-                (inode, (rank, world_size)) for inode in _abort.listening() if inode not in made.listening
-            )
+            self._sockets.update((inode, (rank, world_size)) for inode in _abort.listening(made.listening))
         self._hostnames = made.hostnames or self._hostnames
         self._global_rank = rank
         self._world_size = world_size
@@ -471,12 +469,15 @@ class ParallelContext:
         if hook not in self._destroy_hooks:
             self._destroy_hooks.append(hook)
 
-    def _post_listeners(self) -> None:
-        """Note the gloo listeners this launch added and post them on the launch's store, where
-        :meth:`abort` on the other ranks finds them (one store write, no wait)."""
+    def _post_listeners(self, mine: dict[int, _abort.Endpoint] | None = None) -> None:
+        """Note the gloo listeners this launch added (``mine``: already read) and post them on
+        the launch's store, where :meth:`abort` on the other ranks finds them (one store write,
+        no wait)."""
         if self._listen_before is None or self._world_size < 2:
             return
-        self._listeners = _abort.new_listeners(self._listen_before)
+        if mine is None:
+            mine = _abort.listening(self._listen_before)
+        self._listeners = sorted(mine.values())
         if self._launch_kv is not None:
             _abort.post_listeners(self._launch_kv, self._global_rank, self._listeners)
 
@@ -484,15 +485,13 @@ class ParallelContext:
         """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
         bridge's groups): its gloo listener is posted for the other ranks at once."""
         self._later_groups.append(group)
-        if (
-            isinstance(group, torch.distributed.ProcessGroup)
-            and group.size() > 1
-            and self._listen_before is not None
-        ):
-            for inode in _abort.listening():
-                if inode not in self._listen_before and inode not in self._sockets:
-                    self._sockets[inode] = (group.rank(), group.size())
-        self._post_listeners()
+        if self._listen_before is None:
+            return
+        mine = _abort.listening(self._listen_before)  # one scan: this group's listener, and all
+        if isinstance(group, torch.distributed.ProcessGroup) and group.size() > 1:
+            for inode in mine.keys() - self._sockets.keys():
+                self._sockets[inode] = (group.rank(), group.size())
+        self._post_listeners(mine)
 
     def abort(self, timeout: float = 2.0) -> int:
         """Abort every process group this context made, from any thread (a watchdog), without

@@ -153,14 +153,24 @@ Sockets = dict[int, tuple[int, int]]
 creation opened: its gloo listener, for ``gpc.abort()`` (see :mod:`parallelctx.abort`)."""
 
 
-def _new_group(sockets: Sockets | None, *args: Any, **kwargs: Any) -> Any:
-    """``dist.new_group(*args, **kwargs)``, noting in ``sockets`` the sockets it opened."""
-    before = _abort.socket_inodes() if sockets is not None else frozenset()
-    group = dist.new_group(*args, **kwargs)
-    if sockets is not None and isinstance(group, dist.ProcessGroup) and group.size() > 1:
-        for inode in _abort.socket_inodes() - before:
-            sockets[inode] = (group.rank(), group.size())
-    return group
+class _Notes:
+    """Notes, for each group made, the sockets its creation opened into ``sockets`` (None: not
+    noted). One ``/proc/self/fd`` scan per group: each scan is the next group's "before"."""
+
+    def __init__(self, sockets: Sockets | None) -> None:
+        self.sockets = sockets
+        self.seen = _abort.socket_inodes() if sockets is not None else frozenset()
+
+    def new_group(self, *args: Any, **kwargs: Any) -> Any:
+        """``dist.new_group(*args, **kwargs)``, noting the sockets it opened."""
+        group = dist.new_group(*args, **kwargs)
+        if self.sockets is not None:
+            now = _abort.socket_inodes()
+            if isinstance(group, dist.ProcessGroup) and group.size() > 1:
+                for inode in now - self.seen:
+                    self.sockets[inode] = (group.rank(), group.size())
+            self.seen = now
+        return group
 
 
 def _local_group(
@@ -169,12 +179,11 @@ def _local_group(
     backend: str | None,
     desc: str,
     used: set[tuple[Sequence[int], int]],
-    sockets: Sockets | None,
+    notes: _Notes,
 ) -> dist.ProcessGroup:
     """Create one group that only its members call for (local synchronization)."""
     _claim_name(members, used)
-    return _new_group(
-        sockets,
+    return notes.new_group(
         list(members),
         timeout=timeout,
         backend=backend,
@@ -190,13 +199,13 @@ def _group_everywhere(
     timeout: timedelta,
     backend: str | None,
     desc: str,
-    sockets: Sockets | None,
+    notes: _Notes,
 ) -> tuple[Any, int]:
     """Create every group of ``mode`` on this rank (all ranks call); return (ours or None, calls)."""
     mine = None
     rows = layout.group_array(mode).tolist()
     for row in rows:
-        group = _new_group(sockets, row, timeout=timeout, backend=backend, group_desc=desc)
+        group = notes.new_group(row, timeout=timeout, backend=backend, group_desc=desc)
         if rank in row:
             mine = group
     return mine, len(rows)
@@ -209,7 +218,7 @@ def _one_rank_group(
     cpu_backend: str | None,
     blocker: str | None,
     used: set[tuple[Sequence[int], int]],
-    sockets: Sockets | None,
+    notes: _Notes,
 ) -> tuple[ModeGroup, int]:
     """Create the one-rank group of ``rank`` (and its CPU twin); return it and the call count.
 
@@ -221,11 +230,11 @@ def _one_rank_group(
         rows = [[r] for r in range(layout.world_size)]
         group = cpu_group = None
         for row in rows:
-            g = _new_group(sockets, row, timeout=timeout, group_desc="parallelctx_self")
+            g = notes.new_group(row, timeout=timeout, group_desc="parallelctx_self")
             c = g
             if cpu_backend is not None:
-                c = _new_group(
-                    sockets, row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
+                c = notes.new_group(
+                    row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
                 )
             if row[0] == rank:
                 group, cpu_group = g, c
@@ -235,10 +244,10 @@ def _one_rank_group(
                 f"rank {rank} is outside the world of {layout.world_size}: no one-rank group made"
             )
         return ModeGroup(members, group, cpu_group), per_row * len(rows)
-    group = _local_group(members, timeout, None, "parallelctx_self", used, sockets)
+    group = _local_group(members, timeout, None, "parallelctx_self", used, notes)
     cpu_group = group
     if cpu_backend is not None:
-        cpu_group = _local_group(members, timeout, cpu_backend, "parallelctx_self_cpu", used, sockets)
+        cpu_group = _local_group(members, timeout, cpu_backend, "parallelctx_self_cpu", used, notes)
     return ModeGroup(members, group, cpu_group), 1 if cpu_backend is None else 2
 
 
@@ -276,7 +285,7 @@ def create_groups(
     """
     used = set() if used_names is None else used_names
     with lazy_gloo(gloo_lazy_init):
-        return _create(layout, rank, timeout, cpu_backend, used, sockets)
+        return _create(layout, rank, timeout, cpu_backend, used, _Notes(sockets))
 
 
 def _create(
@@ -285,7 +294,7 @@ def _create(
     timeout: timedelta,
     cpu_backend: str | None,
     used: set[tuple[Sequence[int], int]],
-    sockets: Sockets | None,
+    notes: _Notes,
 ) -> tuple[dict[ParallelMode, ModeGroup], int]:
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
@@ -301,9 +310,7 @@ def _create(
             blocker,
         )
     if cpu_backend is not None and layout.world_size > 1:
-        cpu_world = _new_group(
-            sockets, backend=cpu_backend, timeout=timeout, group_desc="parallelctx_cpu_global"
-        )
+        cpu_world = notes.new_group(backend=cpu_backend, timeout=timeout, group_desc="parallelctx_cpu_global")
         calls += 1
     made: dict[tuple, ModeGroup] = {}
     out: dict[ParallelMode, ModeGroup] = {}
@@ -322,7 +329,7 @@ def _create(
             if not members:
                 continue
             if alone is None:
-                alone, n = _one_rank_group(layout, rank, timeout, cpu_backend, blocker, used, sockets)
+                alone, n = _one_rank_group(layout, rank, timeout, cpu_backend, blocker, used, notes)
                 calls += n
             out[mode] = alone
         elif sig in made:
@@ -330,23 +337,23 @@ def _create(
                 out[mode] = made[sig]
         elif blocker is not None:
             # Every rank walks every group, members or not (EMBEDDING's middle stages too).
-            group, n = _group_everywhere(layout, mode, rank, timeout, None, mode.value, sockets)
+            group, n = _group_everywhere(layout, mode, rank, timeout, None, mode.value, notes)
             calls += n
             cpu_group = group
             if cpu_backend is not None:
                 cpu_group, n = _group_everywhere(
-                    layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu", sockets
+                    layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu", notes
                 )
                 calls += n
             made[sig] = ModeGroup(members, group, cpu_group)
             if members:
                 out[mode] = made[sig]
         elif members:
-            group = _local_group(members, timeout, None, mode.value, used, sockets)
+            group = _local_group(members, timeout, None, mode.value, used, notes)
             calls += 1
             cpu_group = group
             if cpu_backend is not None:
-                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu", used, sockets)
+                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu", used, notes)
                 calls += 1
             made[sig] = out[mode] = ModeGroup(members, group, cpu_group)
     return out, calls

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .abort import AbortableStore, LaunchAborted, listening
+from .abort import AbortableStore, LaunchAborted, socket_inodes
 from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
 from .config import DEFAULT_TIMEOUT, Config, ConfigError, check_init_method_env
 from .groups import ModeGroup, Sockets, create_groups
@@ -171,8 +171,9 @@ class DefaultGroup:
     """What :func:`init_default_group` made or adopted: the backend, whether parallelctx owns
     (and so destroys) the group, the timeout, every rank's host name when the rendezvous
     gathered them (empty otherwise), the launch's store under its agreed prefix (None for a
-    world of one) and the inodes of this process's TCP listeners before any group was made
-    (:func:`parallelctx.abort.listening`), for ``abort()``."""
+    world of one) and the inodes of every socket this process held before any group was made
+    (:func:`parallelctx.abort.socket_inodes`): the listeners not among them are the launch's,
+    for ``abort()``."""
 
     backend: str
     owned: bool
@@ -495,7 +496,7 @@ def init_default_group(
             kv = meetings.adopted_store(rank, world_size, timeout, deadline)
             arrivals = exchange(kv, arrival, world_size, timeout, "the default group's store", deadline)
             hostnames = tuple(a.host for a in arrivals)
-        return DefaultGroup(dist.get_backend(), False, timeout, hostnames, kv, frozenset(listening()))
+        return DefaultGroup(dist.get_backend(), False, timeout, hostnames, kv, socket_inodes())
     if world_size == 1 and init_method is None:
         store: Any = dist.HashStore()
         if arrival is not None:
@@ -511,7 +512,7 @@ def init_default_group(
         if arrival is not None:
             arrivals = exchange(store, arrival, world_size, timeout, _shown_url(init_method), deadline)
             hostnames = tuple(a.host for a in arrivals)
-    before = frozenset(listening())
+    before = socket_inodes()
     dist.init_process_group(
         backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
     )

@@ -11,6 +11,7 @@ is a change to these tables (and, for a new group, to :mod:`.state`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -379,6 +380,14 @@ class Release:
         return "gtp_remat_size" in self.options
 
 
+@functools.cache
+def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The parameter names of ``fn``, read once per function object: a function's signature
+    does not change, and reading the getters' (about 80) took about 3 ms a call of
+    :func:`detect`. A getter replaced by another function (a patch) is read afresh."""
+    return tuple(inspect.signature(fn).parameters)
+
+
 def detect() -> Release:
     """Return what the installed megatron-core has: its version, ``parallel_state`` state
     globals, ``ProcessGroupCollection`` fields, ``initialize_model_parallel`` options, getters
@@ -389,7 +398,7 @@ def detect() -> Release:
     if hasattr(ps, "_global_process_group_list"):
         found.add("_global_process_group_list")
     getters = {
-        name: tuple(inspect.signature(fn).parameters)
+        name: _parameters(fn)
         for name, fn in vars(ps).items()
         if name.startswith(("get_", "set_", "is_"))
         and inspect.isfunction(fn)
@@ -399,7 +408,7 @@ def detect() -> Release:
         version=str(_mcore.__version__).split("+")[0],
         globals=frozenset(found),
         fields=tuple(f.name for f in dataclasses.fields(ProcessGroupCollection)),
-        options=tuple(inspect.signature(ps.initialize_model_parallel).parameters),
+        options=_parameters(ps.initialize_model_parallel),
         getters=getters,
         random_missing=tuple(name for name in RANDOM_NAMES if not hasattr(_mrandom, name)),
     )
