@@ -96,7 +96,7 @@ $(STAMP_NEXT): pyproject.toml requirements/constraints.txt
 
 # gpc + process_groups() against megatron-core 0.19.2's own initialize_model_parallel, 16 ranks
 bench-megatron-next: $(STAMP_NEXT)
-	$(VENV_NEXT)/bin/python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --repeats 5 --sim-world 0 --gloo eager lazy
+	$(VENV_NEXT)/bin/python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --repeats 5 --sim-world 16384 --gloo eager lazy
 
 # Megatron-core's own tests/unit_tests/test_parallel_state.py (tag core_v0.16.1, core_v0.19.0),
 # unchanged, on gpc + the bridge against Megatron's own init, 8 CPU ranks, under both releases.

@@ -1,7 +1,7 @@
 """Start-up of Megatron-core's ``parallel_state`` through parallelctx against Megatron's own.
 
     python -m benchmarks.megatron_bridge [--worlds 8 16] [--repeats 5] [--sim-world 16384]
-    python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --sim-world 0 --gloo eager lazy
+    python -m benchmarks.megatron_bridge --route process_groups --worlds 16 --sim-world 16384 --gloo eager lazy
 
 With ``--route process_groups`` the parallelctx side is ``launch + parallelctx.megatron.
 process_groups()`` (the ``pg_collection`` route, ``parallel_state`` left alone) and the section
@@ -65,18 +65,28 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]], lib: str 
         ),
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    floor = bool(runs) and all("floor" in run for run in runs)
+    if floor:
+        lines[0] += " torch alone, the same groups (own job) | its ratio |"
+        lines[1] += " --- | --- |"
     for run in runs:
         ours, theirs, ratio = _ratio(run, "create_s", lib)
         _, _, first = _ratio(run, "first_collective_s", lib)
         last = {rec["lib"]: rec for rec in run["rounds"][-1]}
-        lines.append(
+        line = (
             f"| {run['world_size']} | tp {run['tensor']} pp {run['pipeline']} "
             f"| {'lazy' if run.get('lazy_init') else 'eager'} | {ours * 1e3:.1f} ms "
             f"| {theirs * 1e3:.1f} ms | {ratio:.2f} | {first:.2f} "
             f"| {last[lib]['calls_max']}, {last['megatron']['calls_max']} |"
         )
+        if floor:
+            alone, _, alone_ratio = _ratio(run["floor"], "create_s", "torch_groups")
+            line += f" {alone * 1e3:.1f} ms | {alone_ratio:.2f} |"
+        lines.append(line)
     if sims:
-        b, m = sims["bridge"], sims["megatron"]
+        b, m = sims[lib], sims["megatron"]
+        # no rendezvous with the fake backend: config, adopting the group, groups, seeds, bridge
+        sim_name = "gpc groups + seeds + " + ("install()" if lib == "bridge" else "process_groups()")
         lines += [
             "",
             (
@@ -87,7 +97,7 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]], lib: str 
             "| | start-up per rank | new_group calls | peak Python memory |",
             "| --- | --- | --- | --- |",
             (
-                f"| launch + install() | {b['startup_s'] * 1e3:.1f} ms | {b['group_creations']} "
+                f"| {sim_name} | {b['startup_s'] * 1e3:.1f} ms | {b['group_creations']} "
                 f"| {b['peak_bytes'] / 1024:.0f} KiB |"
             ),
             (
@@ -135,15 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gloo", choices=("eager", "lazy"), nargs="+", default=["eager"])
     args = parser.parse_args(argv)
     lib = "bridge" if args.route == "install" else "bridge_pgc"
-    args.libs, args.query_calls = f"{lib},megatron", 2000
+    args.query_calls = 2000
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             print(f"layout: tensor 2, pipeline {pipeline_for(world)}", flush=True)
-            runs += [startup_run(world, mode == "lazy", args, Path(tmp)) for mode in args.gloo]
-    sims = (
-        {lib: sim_run(lib, args.sim_world, args) for lib in ("bridge", "megatron")} if args.sim_world else {}
-    )
+            for mode in args.gloo:
+                args.libs = f"{lib},megatron"
+                run = startup_run(world, mode == "lazy", args, Path(tmp))
+                if lib == "bridge_pgc":  # torch alone making the same groups: the floor, own job
+                    args.libs = "megatron,torch_groups"
+                    (Path(tmp) / "floor").mkdir(exist_ok=True)
+                    run["floor"] = startup_run(world, mode == "lazy", args, Path(tmp) / "floor")
+                runs.append(run)
+    sims = {name: sim_run(name, args.sim_world, args) for name in (lib, "megatron")} if args.sim_world else {}
     body = table(runs, sims, lib)
     print(body)
     write_section(args.results, body, argv, lib)

@@ -73,6 +73,24 @@ def count_new_groups() -> Iterator[list[int]]:
 _SPACERS: list[Any] = []
 
 
+def _held_everywhere() -> int:
+    """The most process groups any rank holds now (ranks off the embedding group hold fewer)."""
+    import torch
+
+    held = torch.tensor([len(c10d._world.pg_names)])
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    return int(held.item())
+
+
+def _fresh_names(held: int) -> None:
+    """Keep one-rank groups until every rank holds more groups than ``held`` (the same count on
+    every rank): torch names a locally synchronized group by its members and how many groups the
+    process holds, so the next round's groups cannot take the names (and stale store keys) of
+    groups destroyed in this one, and the members of a group agree on its name."""
+    while len(c10d._world.pg_names) <= held:
+        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+
+
 def _distinct_groups(groups: list[Any]) -> list[Any]:
     """Drop None, the default group and repeats; keep the first-seen order."""
     seen: set[int] = set()
@@ -234,10 +252,49 @@ def setup_bridge_pgc(tensor: int, pipeline: int) -> Built:
     return Built(groups, queries, teardown, calls=calls, member_groups=len(groups))
 
 
+def setup_torch_groups(tensor: int, pipeline: int) -> Built:
+    """torch alone making the groups ``launch + process_groups()`` makes on this rank (tensor 2,
+    context 1, expert 1: this rank alone, tensor, pipeline, data, model, embedding, and Megatron's
+    tensor x data group), locally synchronized, with no config, rendezvous, seeds or abort
+    bookkeeping: the floor for any library that makes these groups through torch. Run it in a
+    job without parallelctx (``--libs megatron,torch_groups``): its teardown keeps one-rank
+    groups alive to keep names fresh, and those would add sockets to every later round."""
+    from parallelctx import ParallelMode
+    from parallelctx.config import ParallelConfig
+
+    rank = dist.get_rank()
+    parallel = ParallelConfig.model_validate({"tensor": tensor, "pipeline": pipeline})
+    layout = parallel.to_layout(dist.get_world_size())
+    rows = [[rank]]
+    for mode in (
+        ParallelMode.TENSOR,
+        ParallelMode.PIPELINE,
+        ParallelMode.DATA,
+        ParallelMode.MODEL,
+    ):
+        rows.append(list(layout.group_of(mode, rank)))
+    data = layout.group_of(ParallelMode.DATA, rank)
+    rows.append(sorted({r for d in data for r in layout.group_of(ParallelMode.TENSOR, d)}))
+    # last, as gpc makes it: middle pipeline stages are in no embedding group, and every member
+    # of a group must hold as many groups as the others when it is made
+    embedding = list(layout.group_of(ParallelMode.EMBEDDING, rank))
+    if embedding:
+        rows.append(embedding)
+    groups = [dist.new_group(row, use_local_synchronization=True) for row in rows]
+
+    def teardown() -> None:
+        held = _held_everywhere()
+        _destroy(groups)
+        _fresh_names(held)
+
+    return Built(groups, [], teardown, calls=len(rows), member_groups=len(groups))
+
+
 SETUP: dict[str, Callable[[int, int], Built]] = {
     "parallelctx": setup_parallelctx,
     "megatron": setup_megatron,
     "devicemesh": setup_devicemesh,
     "bridge": setup_bridge,  # parallelctx + parallelctx.megatron.install(): benchmarks/megatron_bridge.py
     "bridge_pgc": setup_bridge_pgc,  # parallelctx + process_groups(): megatron_bridge.py --route process_groups
+    "torch_groups": setup_torch_groups,  # the floor beside bridge_pgc
 }

@@ -52,7 +52,7 @@ def sizes_for(world: int) -> dict[str, int]:
     return s
 
 
-LIBS = ("parallelctx", "megatron", "devicemesh", "bridge")
+LIBS = ("parallelctx", "megatron", "devicemesh", "bridge", "bridge_pgc")
 
 
 def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
@@ -60,17 +60,20 @@ def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
     from .peers import count_new_groups
 
     with count_new_groups() as counter:
-        if lib in ("parallelctx", "bridge"):
+        if lib in ("parallelctx", "bridge", "bridge_pgc"):
             from parallelctx import gpc
 
             gpc.load_config({"parallel": dict(sizes)})
             gpc.init_global_dist(rank, world)
             gpc.init_parallel_groups()
-            if lib == "bridge":  # + seeds and Megatron-core's parallel_state (benchmarks/megatron_bridge.py)
+            if lib != "parallelctx":  # + seeds and Megatron-core's groups (benchmarks/megatron_bridge.py)
                 import parallelctx.megatron as bridge
 
                 gpc.set_seed()
-                bridge.install()
+                if lib == "bridge":
+                    bridge.install()  # every parallel_state global
+                else:
+                    _COLLECTIONS.append(bridge.process_groups())  # the pg_collection route
         elif lib == "megatron":
             from megatron.core import parallel_state as ps
 
@@ -95,9 +98,10 @@ def _start_up(lib: str, rank: int, world: int, sizes: dict[str, int]) -> int:
 
 def _tear_down(lib: str, rank: int) -> None:
     """Undo :func:`_start_up` as far as the next round needs."""
-    if lib in ("parallelctx", "bridge"):
+    if lib in ("parallelctx", "bridge", "bridge_pgc"):
         from parallelctx import gpc
 
+        _COLLECTIONS.clear()
         gpc.destroy()
         # A kept singleton group shifts torch's group count, so the next start-up gets fresh
         # names (parallelctx refuses to re-create a destroyed group under its old name).
@@ -111,6 +115,7 @@ def _tear_down(lib: str, rank: int) -> None:
 
 
 _MESHES: list[Any] = []
+_COLLECTIONS: list[Any] = []  # kept until tear-down, as a user keeps the collection
 
 
 _SPACERS: list[Any] = []

@@ -94,3 +94,28 @@ def test_torchtitan_bridge_table_takes_max_over_ranks_and_median_of_rounds() -> 
     row = table(ranks).splitlines()[-1]
     # per round, the slowest rank: bridge 0.2, 0.1, 0.3; torchtitan 0.4, 0.2, 0.1 -> ratios 0.5, 0.5, 3
     assert row == "| 2, 4, 1, 1, 1, 1 | 200 ms | 200 ms | 0.50 | 1.00 | 3, 10 | 4, 4 |"
+
+
+def test_megatron_bridge_pgc_table_shows_the_torch_floor_from_its_own_job() -> None:
+    """The process_groups() table carries torch alone making the same groups (run in its own
+    job), as a median of per-round ratios against Megatron's init in that job."""
+    from benchmarks.megatron_bridge import table
+
+    def rnd(**times: float) -> list[dict]:
+        return [
+            {"lib": lib, "create_s": t, "first_collective_s": t, "calls_max": 7} for lib, t in times.items()
+        ]
+
+    run = {
+        "world_size": 16,
+        "tensor": 2,
+        "pipeline": 4,
+        "lazy_init": True,
+        "rounds": [rnd(bridge_pgc=0.08, megatron=0.1), rnd(bridge_pgc=0.09, megatron=0.1)],
+        "floor": {"rounds": [rnd(torch_groups=0.03, megatron=0.1), rnd(torch_groups=0.05, megatron=0.1)]},
+    }
+    head, _, row = table([run], {}, "bridge_pgc").splitlines()
+    assert head.endswith("| torch alone, the same groups (own job) | its ratio |")
+    assert row == "| 16 | tp 2 pp 4 | lazy | 85.0 ms | 100.0 ms | 0.85 | 0.85 | 7, 7 | 40.0 ms | 0.40 |"
+    run.pop("floor")
+    assert "torch alone" not in table([run], {}, "bridge_pgc")
