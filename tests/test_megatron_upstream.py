@@ -1,7 +1,8 @@
 """Megatron-core's own ``tests/unit_tests/test_parallel_state.py``, unchanged, on gpc + the bridge.
 
 For the installed release (0.16 -> tag core_v0.16.1, 0.19 -> core_v0.19.0) the file is taken
-from ``$MEGATRON_LM_TESTS`` (a path to that file, e.g. in a Megatron-LM checkout at the tag) or
+from ``$MEGATRON_LM_TESTS_0_16`` / ``$MEGATRON_LM_TESTS_0_19`` (per release) or
+``$MEGATRON_LM_TESTS`` (a path to that file, e.g. in a Megatron-LM checkout at the tag) or
 downloaded from GitHub into ``.cache/megatron-lm/<tag>/``. It then runs twice on 8 CPU ranks
 (gloo), each rank a process running pytest on it, with the file's ``Utils`` pointed at Megatron's
 own ``initialize_model_parallel`` (the control) and at gpc + ``parallelctx.megatron.install()``
@@ -50,7 +51,10 @@ def _upstream_file(tmp: Path) -> Path:
     tag = TAGS.get(version)
     if tag is None:
         pytest.skip(f"no upstream tag known for megatron-core {version}")
-    given = os.environ.get("MEGATRON_LM_TESTS")
+    # per release (make test-megatron-upstream runs both venvs), else one file for whichever runs
+    given = os.environ.get(f"MEGATRON_LM_TESTS_{version.replace('.', '_')}") or os.environ.get(
+        "MEGATRON_LM_TESTS"
+    )
     cached = ROOT / ".cache" / "megatron-lm" / tag / "test_parallel_state.py"
     if given:
         source = Path(given)
