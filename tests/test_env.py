@@ -474,3 +474,21 @@ def test_two_mpi_families_that_disagree_are_refused() -> None:
     found = detect({**ompi_env(rank=3), "PMI_RANK": "3", "PMI_SIZE": "4"})
     assert (found.launcher, found.rank) == ("openmpi", 3)
     assert dict(found.variables)["PMI_RANK"] == "3"
+
+
+def test_free_port_draws_below_the_outgoing_connection_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port comes from below the range outgoing connections take their ports from (where a
+    peer's next connect could take it before rank 0's store binds it), and binds; where that
+    range starts too low to leave room, the OS picks one."""
+    import socket
+
+    from parallelctx import env
+
+    low = env._ephemeral_low()
+    ports = {env.free_port() for _ in range(20)}
+    assert all(env._PORT_FLOOR <= p < low for p in ports), (sorted(ports), low)
+    assert len(ports) > 1  # drawn, not one fixed port every job would collide on
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))
+    monkeypatch.setattr(env, "_ephemeral_low", lambda: env._PORT_FLOOR + 10)
+    assert not env._PORT_FLOOR <= env.free_port() < env._PORT_FLOOR + 10
