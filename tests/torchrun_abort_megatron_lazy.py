@@ -96,7 +96,9 @@ def cycle(rank: int) -> dict[str, Any]:
     row["members"] = dist.get_process_group_ranks(group)
     if rank in ALONE:
         start: list[float] = []
-        thread = threading.Thread(target=lambda: (time.sleep(1.0), start.append(time.perf_counter()), gpc.abort()))
+        thread = threading.Thread(
+            target=lambda: (time.sleep(1.0), start.append(time.perf_counter()), gpc.abort())
+        )
         thread.start()
         try:
             dist.all_reduce(torch.ones(4), group=group)
