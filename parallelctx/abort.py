@@ -110,6 +110,8 @@ def listening(exclude: Collection[int] = ()) -> dict[int, Endpoint]:
         with contextlib.suppress(OSError, ValueError):
             sock = socket.socket(fileno=os.dup(fd))
             try:
+                if os.fstat(sock.fileno()).st_ino != inode:
+                    continue  # the descriptor number was reused for another socket meanwhile
                 if (
                     sock.family in (socket.AF_INET, socket.AF_INET6)
                     and sock.type == socket.SOCK_STREAM

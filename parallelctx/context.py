@@ -147,6 +147,10 @@ class ParallelContext:
         self._listeners: list[_abort.Endpoint] = []
         # Socket inode -> (rank in group, group size) of each gloo group's listener, for abort().
         self._sockets: dict[int, tuple[int, int]] = {}
+        # Socket inodes seen when the last group was noted (or when the bridge began making
+        # groups, _start_notes): a later group's listener is one not among them, so a user's
+        # server opened after launch and before install() is not taken for one.
+        self._noted: frozenset[int] = frozenset()
         self._hang: _hang.HangWatch | None = None  # dist.hang_report, while launched
         for name in VIEW_NAMES.values():
             setattr(self, name, Unlaunched(name))
@@ -481,6 +485,12 @@ class ParallelContext:
         if self._launch_kv is not None:
             _abort.post_listeners(self._launch_kv, self._global_rank, self._listeners)
 
+    def _start_notes(self) -> None:
+        """Note every socket held now, before parallelctx makes groups after launch (the
+        Megatron bridge's): :meth:`_note_group` takes only listeners opened since for a group's."""
+        if self._listen_before is not None:
+            self._noted = _abort.socket_inodes()
+
     def _note_group(self, group: Any) -> None:
         """Have :meth:`abort` cover ``group``, made by parallelctx after launch (the Megatron
         bridge's groups): its gloo listener is posted for the other ranks at once."""
@@ -489,8 +499,11 @@ class ParallelContext:
             return
         mine = _abort.listening(self._listen_before)  # one scan: this group's listener, and all
         if isinstance(group, torch.distributed.ProcessGroup) and group.size() > 1:
-            for inode in mine.keys() - self._sockets.keys():
+            # Only listeners opened since the last group was noted (or since _start_notes): not
+            # a user's server opened after launch, which wake() must not connect to.
+            for inode in mine.keys() - self._noted - self._sockets.keys():
                 self._sockets[inode] = (group.rank(), group.size())
+        self._noted = self._noted | mine.keys()
         self._post_listeners(mine)
 
     def abort(self, timeout: float = 2.0) -> int:

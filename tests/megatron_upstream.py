@@ -39,6 +39,10 @@ def _drop_leaked_groups(keep: list[Any]) -> None:
             dist.destroy_process_group(pg)
 
 
+def _registry() -> Any:
+    return dist.distributed_c10d._world.pg_map
+
+
 class _Base:
     """What both shims share: the rank, the world, the default group as Megatron's Utils makes it."""
 
@@ -113,7 +117,16 @@ class BridgeUtils(_Base):
         held = len(dist.distributed_c10d._world.pg_names)
         launched = gpc._layout is not None
         if launched:
+            import parallelctx.megatron as bridge
+
+            ours = [*gpc._groups.values(), *gpc._cpu_groups.values(), *gpc._later_groups]
+            ours += list(bridge._state.created) if bridge._state is not None else []
+            ours += [g for _, made in bridge._collections.values() for g in made]
             gpc.destroy()  # uninstalls too; the default group is the user's and stays
+            # A group gpc or the bridge made and left alive is a bridge defect: destroying the
+            # leaked groups below must not hide it (the test errors at teardown instead).
+            alive = [g for g in ours if g is not None and g is not dist.group.WORLD and g in _registry()]
+            assert not alive, f"gpc.destroy() left {len(alive)} of its groups alive"
         ps.destroy_model_parallel()  # what a direct call of Megatron's own init may have left
         _drop_leaked_groups(cls.spacers)  # as the control does
         if launched:
@@ -170,16 +183,20 @@ class BridgeUtils(_Base):
 
 
 class _Outcomes:
-    """A pytest plugin that records each test's outcome (call phase, or a failed setup), and
-    rewrites ``out`` after each one, so a run stopped by its time limit still tells how far
-    each rank got."""
+    """A pytest plugin that records each test's outcome (call phase, or a failed setup or
+    teardown), and rewrites ``out`` after each one, so a run stopped by its time limit still
+    tells how far each rank got."""
 
     def __init__(self, out: Path) -> None:
         self.found: dict[str, str] = {}
         self.out = out
 
     def pytest_runtest_logreport(self, report: Any) -> None:
-        if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        if report.when == "teardown" and report.outcome == "failed":
+            # a test whose call passed but whose teardown failed did not pass
+            self.found[report.nodeid.split("::", 1)[1]] = "teardown failed"
+            self.out.write_text(json.dumps(self.found))
+        elif report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
             outcome = report.outcome
             if hasattr(report, "wasxfail"):
                 outcome = "xfailed" if report.skipped else "xpassed"

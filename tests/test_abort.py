@@ -5,6 +5,7 @@ all-reduce ended by gpc.abort(), is in tests/test_elastic.py under the faults ma
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -135,3 +136,17 @@ def test_the_signal_recipe_of_the_docs_ends_a_hung_all_reduce(tmp_path) -> None:
     assert rank0["raised"] is not None and rank0["ended_s"] < 1.0 + 2.0, rank0
     for rank in (0, 1):
         assert json.loads((tmp_path / f"rank-{rank}.json").read_text())["relaunch_sum"] == 3.0
+
+
+def test_listening_skips_a_descriptor_reused_for_another_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Between reading /proc/self/fd and duplicating a descriptor, the socket may close and its
+    # number be reused for another socket: that one must not be reported under the old inode.
+    listener = socket.create_server(("127.0.0.1", 0))
+    try:
+        real = os.fstat(listener.fileno()).st_ino
+        monkeypatch.setattr(abort, "_socket_fds", lambda: {real + 10**9: listener.fileno()})
+        assert abort.listening() == {}
+        monkeypatch.setattr(abort, "_socket_fds", lambda: {real: listener.fileno()})
+        assert abort.listening() == {real: ("0100007F", listener.getsockname()[1])}
+    finally:
+        listener.close()

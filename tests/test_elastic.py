@@ -255,3 +255,30 @@ def test_abort_ends_a_collective_on_a_group_the_megatron_bridge_made() -> None:
     raised = [line for line in proc.stdout.splitlines() if line.startswith("ABORT-")]
     assert raised and raised[0].startswith("ABORT-RAISED"), proc.stdout[-2000:] + proc.stderr[-3000:]
     assert float(raised[0].split()[1]) < 15, raised  # rank 3 sleeps 30 s: it was the abort
+
+
+@pytest.mark.timeout(400)
+def test_abort_ends_a_wait_on_a_lazy_bridge_group_10_cycles_and_leaves_user_servers_alone(
+    tmp_path: Path,
+) -> None:
+    # A bridge group that never connected (gloo_lazy_init): only wake() ends the wait of the
+    # rank with no socket. 10 cycles in the same processes (which rank waits with no socket
+    # depends on the ports), a user thread opening and closing sockets all through, and a user
+    # server opened after launch and before install(): abort() must not connect to it.
+    pytest.importorskip("megatron.core")
+    proc = run_torchrun(4, ["tests/torchrun_abort_megatron_lazy.py", str(tmp_path), "10"], timeout=360)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3], proc.stdout[-3000:]
+    worst, pokes = 0.0, []
+    for row in rows:
+        assert row["sum"][0] == row["sum"][1], row  # the launch after the cycles works
+        assert len(row["cycles"]) == 10
+        for c in row["cycles"]:
+            assert c["server_pokes"] == 0, (row["rank"], c)
+            if c["waited"]:
+                assert c["raised"] and "Connection closed" in c["raised"], (row["rank"], c)
+                assert c["after_abort_s"] < 2.0, (row["rank"], c)
+                worst = max(worst, c["after_abort_s"])
+                pokes.append(c["pokes"])
+    print(f"20 waits raised at most {worst:.2f} s after abort(); user-thread listeners poked {pokes}")

@@ -642,3 +642,28 @@ def test_megatron_checkpoint_entered_under_the_tracker_replays_its_stream(backwa
             assert torch.equal(torch.rand(8), mine)
     finally:
         gpc.destroy()
+
+
+def test_detect_reads_a_patched_initialize_that_cannot_be_hashed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # detect() caches signatures per function object; a user's wrapper that defines __eq__ (so
+    # is unhashable: a dataclass, say) must still be read, and read afresh.
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+
+    import parallelctx.megatron as bridge
+
+    original = ps.initialize_model_parallel
+
+    @dataclasses.dataclass
+    class Wrapper:
+        calls: int = 0
+
+        def __call__(self, tensor_model_parallel_size: int = 1, **kwargs: object) -> None:
+            self.calls += 1
+            original(tensor_model_parallel_size, **kwargs)
+
+    monkeypatch.setattr(ps, "initialize_model_parallel", Wrapper())
+    assert bridge.release.detect().options == ("tensor_model_parallel_size", "kwargs")
+    monkeypatch.undo()
+    assert "pipeline_model_parallel_size" in bridge.release.detect().options

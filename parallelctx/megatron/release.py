@@ -381,11 +381,19 @@ class Release:
 
 
 @functools.cache
+def _cached_parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
 def _parameters(fn: Callable[..., Any]) -> tuple[str, ...]:
     """The parameter names of ``fn``, read once per function object: a function's signature
     does not change, and reading the getters' (about 80) took about 3 ms a call of
-    :func:`detect`. A getter replaced by another function (a patch) is read afresh."""
-    return tuple(inspect.signature(fn).parameters)
+    :func:`detect`. A getter replaced by another function (a patch) is read afresh, and so is
+    a callable that cannot be hashed (a user's wrapper object that defines ``__eq__``)."""
+    try:
+        return _cached_parameters(fn)
+    except TypeError:  # unhashable: not cached
+        return tuple(inspect.signature(fn).parameters)
 
 
 def detect() -> Release:

@@ -70,11 +70,15 @@ class Maker:
         self.timeout = gpc.config.dist.timeout
         self.blocker = local_sync_blocker() if layout.world_size > 1 else None
         self.used: set[Any] = set() if gpc._owns_default_group else gpc._meetings.adopted_names()
+        self.started = False  # gpc._start_notes() called: at the first group made, not before
 
     def make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
         """This rank's new group with ``members`` (``every`` lists all groups of the kind); a
         gloo group connects on its first collective when gpc's own groups do
         (``dist.gloo_lazy_init``)."""
+        if not self.started:
+            self.started = True
+            gpc._start_notes()
         with lazy_gloo(gpc.config.dist.gloo_lazy_init):
             return self._make(members, every, desc)
 
