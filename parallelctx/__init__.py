@@ -15,19 +15,22 @@ that it cannot rewrite asserts here, and the package has none to rewrite.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import TYPE_CHECKING, Any
 
 from .config import Config, ConfigError, ConfigValidationError, load_config
 from .env import LaunchEnv, LaunchEnvError
-from .layout import Layout, LayoutError, ParallelMode, plan
-from .mesh import MeshError
+from .planning.layout import Layout, LayoutError, ParallelMode, plan
+from .runtime.mesh import MeshError
 
 if TYPE_CHECKING:
     from .checkpoint import checkpoint, rng_context_fn
     from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
-    from .hang import HangReport
+    from .guard.hang import HangReport
     from .launch import (
         init_dist,
         launch,
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
         launch_from_slurm,
         launch_from_torch,
     )
-    from .seed import REPLICA
+    from .runtime.seed import REPLICA
     from .spawn import SpawnError, spawn
 
 __version__ = "0.1.0"
@@ -45,7 +48,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "checkpoint": "checkpoint",
     "rng_context_fn": "checkpoint",
-    "HangReport": "hang",
+    "HangReport": "guard.hang",
     "ModeView": "context",
     "NotLaunchedError": "context",
     "ParallelContext": "context",
@@ -57,7 +60,7 @@ _LAZY = {
     "launch_from_openmpi": "launch",
     "launch_from_slurm": "launch",
     "launch_from_torch": "launch",
-    "REPLICA": "seed",
+    "REPLICA": "runtime.seed",
     "SpawnError": "spawn",
     "spawn": "spawn",
 }
@@ -92,6 +95,54 @@ class _Package(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _Package
+
+# Modules that moved into the layers (docs/internals.md) -> where they live now. The old name
+# imports the same module object, so ``import parallelctx.abort``, ``from parallelctx.seed import
+# mode_seed``, ``monkeypatch.setattr(parallelctx.abort, ...)`` and pickles that name an old path
+# keep working.
+MOVED = {
+    "_fastenum": "planning._fastenum",
+    "limits": "planning.limits",
+    "layout": "planning.layout",
+    "views": "planning.views",
+    "args": "config.args",
+    "hostlist": "env.hostlist",
+    "abort": "guard.abort",
+    "hang": "guard.hang",
+    "rendezvous": "runtime.rendezvous",
+    "groups": "runtime.groups",
+    "startup": "runtime.startup",
+    "mesh": "runtime.mesh",
+    "seed": "runtime.seed",
+    "rngstate": "runtime.rngstate",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``parallelctx.<old name>`` for every module of :data:`MOVED` and gives the module at
+    its new place (imported then), not a copy."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        """Return a spec for an old name of :data:`MOVED`, else None (other finders look)."""
+        package, _, name = fullname.rpartition(".")
+        if package != __name__ or name not in MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        """Import and return the module at its new place (its own spec kept in ``spec``)."""
+        module = importlib.import_module(f"{__name__}.{MOVED[spec.name.rpartition('.')[2]]}")
+        spec.loader_state = module.__spec__
+        return module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Give the module back its own spec (the import system set the old name's on it)."""
+        if module.__spec__ is not None and module.__spec__.loader_state is not None:
+            module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
 
 
 __all__ = [

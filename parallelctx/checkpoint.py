@@ -25,7 +25,7 @@ from typing import Any
 import torch.utils.checkpoint as _tc
 
 from .context import gpc
-from .seed import RNGSnapshot, RNGStreams
+from .runtime.seed import RNGSnapshot, RNGStreams
 
 __all__ = ["checkpoint", "rng_context_fn"]
 

@@ -17,17 +17,17 @@ from typing import Any
 
 import torch
 
-from . import abort as _abort
-from . import hang as _hang
-from . import startup
 from .config import DEFAULT_TIMEOUT, Config, load_config
-from .groups import ModeGroup
-from .layout import Layout, LayoutError, ParallelMode
-from .rendezvous import Arrival
-from .rngstate import RNGState, capture, restore
-from .seed import STREAMS, RNGStreams, Stream, mode_seed, parse_stream
-from .startup import resolve_backend
-from .views import LAUNCH_HINT, VIEW_NAMES, ModeTable, ModeView, NotLaunchedError, Unlaunched
+from .guard import abort as _abort
+from .guard import hang as _hang
+from .planning.layout import Layout, LayoutError, ParallelMode
+from .planning.views import LAUNCH_HINT, VIEW_NAMES, ModeTable, ModeView, NotLaunchedError, Unlaunched
+from .runtime import startup
+from .runtime.groups import ModeGroup
+from .runtime.rendezvous import Arrival
+from .runtime.rngstate import RNGState, capture, restore
+from .runtime.seed import STREAMS, RNGStreams, Stream, mode_seed, parse_stream
+from .runtime.startup import resolve_backend
 
 __all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc", "resolve_backend"]
 
@@ -799,7 +799,7 @@ class ParallelContext:
         if self._layout is None:
             raise self._not_launched("gpc.device_mesh" if grid == "dense" else "gpc.expert_device_mesh")
         if grid not in self._device_meshes:
-            from .mesh import build_device_mesh
+            from .runtime.mesh import build_device_mesh
 
             self._device_meshes[grid] = build_device_mesh(
                 self._layout, self._global_rank, self._groups, self._device.type, grid

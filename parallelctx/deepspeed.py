@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layout import ParallelMode
+from .planning.layout import ParallelMode
 
 __all__ = ["DeepSpeedMPU", "mpu"]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from .layout import ParallelMode
+from .planning.layout import ParallelMode
 
 if TYPE_CHECKING:
     from .context import ParallelContext
@@ -114,7 +114,7 @@ def parse_simulate(value: Any) -> Simulation:
     Raises:
         ValueError: a missing or unknown key, or a value out of range (the message names it).
     """
-    from .limits import MAX_WORLD_SIZE
+    from .planning.limits import MAX_WORLD_SIZE
 
     if isinstance(value, Simulation):
         return value

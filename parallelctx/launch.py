@@ -15,12 +15,12 @@ from datetime import timedelta
 from typing import Any, ParamSpec, TypeVar
 
 from . import env as _env
-from .args import LaunchArgumentError
 from .config import ConfigError, ConfigLike, to_timedelta
+from .config.args import LaunchArgumentError
 from .context import ParallelContext, gpc
 from .env import LaunchEnvError, free_port
-from .layout import LayoutError
-from .rendezvous import RendezvousError
+from .planning.layout import LayoutError
+from .runtime.rendezvous import RendezvousError
 
 __all__ = [
     "free_port",

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .layout import ParallelMode
+from .planning.layout import ParallelMode
 
 __all__ = ["num_stages", "stage_indices", "virtual_size"]
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .layout import Layout, ParallelMode
+from .planning.layout import Layout, ParallelMode
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -238,7 +238,7 @@ def _build_meshes(dims: Any, ctx: Any) -> Any:
     """Fill ``dims`` (a ParallelDims) with meshes over ``ctx``'s groups; return the world mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .mesh import register_flat
+    from .runtime.mesh import register_flat
 
     pp, rep, shard, cp, tp, ep = dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.ep
     batch, efsdp = rep * shard, shard * cp * tp // ep

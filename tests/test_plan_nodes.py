@@ -231,7 +231,7 @@ def _imports_at_top(path: Path) -> set[str]:
 
 
 def test_plan_path_is_torch_free() -> None:
-    for name in ("cli/placement", "cli/picture", "cli/main", "cli/plan", "cli/tables", "layout"):
+    for name in ("cli/placement", "cli/picture", "cli/main", "cli/plan", "cli/tables", "planning/layout"):
         top = _imports_at_top(ROOT / "parallelctx" / f"{name}.py")
         assert not {n for n in top if n.split(".")[0] in ("torch", "matplotlib")}, (name, top)
         assert not top & {".check", ".verify", ".timing", "..launch", "..context", ".demo"}, (name, top)

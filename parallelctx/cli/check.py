@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..context import ParallelContext
-from ..layout import Layout, ParallelMode
+from ..planning.layout import Layout, ParallelMode
 from .placement import span_of_groups
 from .timing import (
     DEFAULT_SIZES,
@@ -259,7 +259,7 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
         return 2
     from ..context import gpc
     from ..launch import launch_from_env
-    from ..rendezvous import RendezvousError
+    from ..runtime.rendezvous import RendezvousError
 
     try:
         launch_from_env(args.config)

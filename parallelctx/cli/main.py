@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from ..layout import DEFAULT_ORDER
+from ..planning.layout import DEFAULT_ORDER
 
 __all__ = ["build_parser", "check_arguments", "main"]
 

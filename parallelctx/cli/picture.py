@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import Layout, ParallelMode
+from ..planning.layout import Layout, ParallelMode
 from .placement import node_ids, span_of_groups
 
 __all__ = ["MAX_RANKS", "PictureError", "draw", "picture_modes"]

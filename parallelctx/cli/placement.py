@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ..layout import Layout, LayoutError, ParallelMode, plan
+from ..planning.layout import Layout, LayoutError, ParallelMode, plan
 
 __all__ = [
     "INTRA_NODE_MODES",

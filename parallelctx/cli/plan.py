@@ -10,7 +10,7 @@ from typing import IO, Any
 from pydantic import ValidationError
 
 from ..config import ParallelConfig, load_config, validation_error
-from ..layout import DEFAULT_ORDER, Layout, LayoutError
+from ..planning.layout import DEFAULT_ORDER, Layout, LayoutError
 from .placement import ModeSpan, PlacementWarning, node_ids, node_spans, placement_warnings
 
 __all__ = ["JSON_FULL_LIMIT", "run"]

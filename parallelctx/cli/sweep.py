@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import Config
-from ..layout import Layout
+from ..planning.layout import Layout
 
 __all__ = [
     "check_all",

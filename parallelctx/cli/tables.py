@@ -8,7 +8,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ..layout import Layout, ParallelMode
+from ..planning.layout import Layout, ParallelMode
 from .placement import ModeSpan
 
 __all__ = ["layout_picture", "layout_table", "placement_table", "render"]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..layout import Layout, ParallelMode
+from ..planning.layout import Layout, ParallelMode
 
 __all__ = [
     "DEFAULT_SIZES",

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from ..context import ParallelContext
-from ..layout import Layout, ParallelMode
-from ..seed import REPLICA, STREAMS
+from ..planning.layout import Layout, ParallelMode
+from ..runtime.seed import REPLICA, STREAMS
 
 __all__ = ["ModeCheck", "probe_groups", "probe_seeds", "problems", "verify", "verify_seeds"]
 

@@ -47,7 +47,7 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
 import torch.distributed as dist
 
 from ..context import NotLaunchedError, gpc
-from ..layout import Layout
+from ..planning.layout import Layout
 from . import release as _release
 from .options import Options, parse_options
 from .release import (

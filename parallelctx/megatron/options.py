@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ..context import gpc
-from ..layout import Layout, ParallelMode
+from ..planning.layout import Layout, ParallelMode
 from .release import Release
 
 __all__ = ["Options", "parse_options"]

@@ -10,7 +10,7 @@ import torch
 from megatron.core.tensor_parallel import random as _mrandom
 
 from ..context import gpc
-from ..layout import ParallelMode
+from ..planning.layout import ParallelMode
 
 __all__ = ["RNG_STREAMS", "GpcRNGTracker"]
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from ..context import gpc
-from ..groups import _claim_name, _compact, lazy_gloo, local_sync_blocker
-from ..layout import Layout, ParallelMode
+from ..planning.layout import Layout, ParallelMode
+from ..runtime.groups import _claim_name, _compact, lazy_gloo, local_sync_blocker
 from .options import Options
 from .release import known_globals, pristine
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from parallelctx.context import gpc
-from parallelctx.layout import ParallelMode
+from parallelctx.planning.layout import ParallelMode
 
 __all__ = ["assert_differs_across", "assert_same_across", "gather_across"]
 

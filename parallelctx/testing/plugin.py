@@ -137,7 +137,7 @@ def resolve_marker(
         ConfigError, pydantic.ValidationError: a bad ``config=``.
     """
     from parallelctx.config import Config
-    from parallelctx.layout import LayoutError
+    from parallelctx.planning.layout import LayoutError
 
     merged = dict(kwargs)
     if args:
@@ -211,7 +211,7 @@ def simulated_ranks(
         MarkerError: ``ranks=`` without ``simulate=True``, or a rank outside the world.
     """
     from parallelctx.config import Config
-    from parallelctx.layout import ParallelMode
+    from parallelctx.planning.layout import ParallelMode
 
     if not kwargs.get("simulate"):
         if "ranks" in kwargs:

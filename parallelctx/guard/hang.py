@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import ParallelMode
+from ..planning.layout import ParallelMode
 
 __all__ = ["OPS", "HangReport", "HangWatch", "describe_call"]
 

@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Callable, Iterator
 
-from .limits import MAX_HOSTS
+from ..planning.limits import MAX_HOSTS
 
 __all__ = [
     "HostlistError",

@@ -38,8 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .layout import Layout, ParallelMode
-from .limits import MAX_WORLD_SIZE
+from ..planning.layout import Layout, ParallelMode
+from ..planning.limits import MAX_WORLD_SIZE
 
 __all__ = [
     "REPLICA",

@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .abort import AbortableStore, LaunchAborted, socket_inodes
-from .args import LaunchArgs, LaunchArgumentError, validate_launch_args
-from .config import DEFAULT_TIMEOUT, Config, ConfigError, check_init_method_env
+from ..config import DEFAULT_TIMEOUT, Config, ConfigError, check_init_method_env
+from ..config.args import LaunchArgs, LaunchArgumentError, validate_launch_args
+from ..guard.abort import AbortableStore, LaunchAborted, socket_inodes
+from ..planning.layout import Layout, LayoutError, ParallelMode
 from .groups import ModeGroup, Sockets, create_groups
-from .layout import Layout, LayoutError, ParallelMode
 from .rendezvous import Arrival, agree_launch, connect_store, exchange, rank_list
 
 if TYPE_CHECKING:
-    from .context import ParallelContext
+    from ..context import ParallelContext
 
 __all__ = [
     "DefaultGroup",
@@ -320,8 +320,8 @@ def _launch_dry(
 ) -> ParallelContext:
     """The dry-run launch (:func:`parallelctx.dryrun.launch_simulated`): ``simulate``, else the
     simulation ``parallelctx dry-run`` armed (whose config serves when ``config`` is None)."""
-    from .config import to_timedelta
-    from .dryrun import launch_simulated, parse_simulate
+    from ..config import to_timedelta
+    from ..dryrun import launch_simulated, parse_simulate
 
     armed = ctx._dry_run if getattr(ctx._dry_run, "armed", False) else None
     sim = parse_simulate(simulate if simulate is not None else armed.sim)  # type: ignore[union-attr]
@@ -477,7 +477,7 @@ def init_default_group(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
     if backend == "fake":  # a dry run (parallelctx.dryrun): no rendezvous, no store server
-        from .dryrun import fake_default_group
+        from ..dryrun import fake_default_group
 
         fake_default_group(rank, world_size, timeout)
         return DefaultGroup("fake", True, timeout, ())
@@ -570,7 +570,7 @@ def agreed_values(
     dist sections (init_method aside: ranks may name rank 0's host differently), the seed, the
     layout, the world size and the versions of parallelctx and torch (the running modules'
     own ``__version__``: reading the installed metadata cost milliseconds per launch)."""
-    from . import __version__
+    from .. import __version__
 
     values: dict[str, Any] = {}
 

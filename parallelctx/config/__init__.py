@@ -35,8 +35,8 @@ from pydantic import (
     model_validator,
 )
 
-from .layout import DEFAULT_ORDER, Layout, LayoutError, parse_order
-from .limits import (
+from ..planning.layout import DEFAULT_ORDER, Layout, LayoutError, parse_order
+from ..planning.limits import (
     MAX_CONFIG_BYTES,
     MAX_CONFIG_DEPTH,
     MAX_CONFIG_NODES,

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .config import _as_int, _shown, _valid_host, to_timedelta, validate_init_method
-from .limits import MAX_SEED, MAX_WORLD_SIZE
+from ..planning.limits import MAX_SEED, MAX_WORLD_SIZE
+from . import _as_int, _shown, _valid_host, to_timedelta, validate_init_method
 
 __all__ = ["BACKENDS", "LaunchArgs", "LaunchArgumentError", "validate_launch_args"]
 

@@ -22,8 +22,8 @@ import socket
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 
+from ..planning.limits import MAX_WORLD_SIZE
 from .hostlist import HostlistError, count_hostlist, first_host, tasks_on_node
-from .limits import MAX_WORLD_SIZE
 
 __all__ = [
     "LAUNCHERS",

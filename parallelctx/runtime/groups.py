@@ -43,8 +43,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import abort as _abort
-from .layout import Layout, ParallelMode
+from ..guard import abort as _abort
+from ..planning.layout import Layout, ParallelMode
 
 __all__ = ["ModeGroup", "Sockets", "create_groups", "creation_order", "lazy_gloo", "local_sync_blocker"]
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .layout import Layout, LayoutError, ParallelMode
+from ..planning.layout import Layout, LayoutError, ParallelMode
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
