@@ -24,14 +24,17 @@ from typing import Any
 
 import torch.utils.checkpoint as _tc
 
-from .context import gpc
+from .context import NotLaunchedError, gpc
 from .runtime.seed import RNGSnapshot, RNGStreams
 
 __all__ = ["checkpoint", "rng_context_fn"]
 
 
 def _streams() -> RNGStreams | None:
-    return gpc._streams
+    try:
+        return gpc.rng_streams
+    except NotLaunchedError:
+        return None  # before launch: torch's checkpoint alone
 
 
 class _Replay:

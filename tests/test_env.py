@@ -482,7 +482,7 @@ def test_free_port_draws_below_the_outgoing_connection_range(monkeypatch: pytest
     range starts too low to leave room, the OS picks one."""
     import socket
 
-    from parallelctx import env
+    from parallelctx.env import ports as env
 
     low = env._ephemeral_low()
     ports = {env.free_port() for _ in range(20)}

@@ -32,7 +32,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..dryrun import DryRun, Simulation, parse_simulate, torchrun_environment
+from ..guard.recorder import DryRun
+from ..planning.simulation import Simulation, parse_simulate, torchrun_environment
 
 __all__ = ["add_arguments", "run", "run_one", "run_sweep"]
 
@@ -91,7 +92,7 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
     sim = _simulation(args, rank)
     dry = DryRun(sim, args.config, armed=True)
     os.environ.update(torchrun_environment(sim))
-    gpc._dry_run = dry
+    gpc.arm_dry_run(dry)
     dry.start_recording()
     script = str(Path(args.script))
     saved_argv = sys.argv

@@ -14,7 +14,7 @@ from datetime import timedelta
 from typing import Any
 
 from ..planning.limits import MAX_SEED, MAX_WORLD_SIZE
-from . import _as_int, _shown, _valid_host, to_timedelta, validate_init_method
+from .values import _as_int, _shown, _valid_host, to_timedelta, validate_init_method
 
 __all__ = ["BACKENDS", "LaunchArgs", "LaunchArgumentError", "validate_launch_args"]
 

@@ -1,19 +1,22 @@
 """Abort a launch's process groups from any thread, without waiting on a hung collective.
 
 ``ProcessGroup.abort()`` ends NCCL communicators, but gloo does not implement it (in torch 2.13
-it returns at once and a pending gloo collective keeps waiting until its timeout). A gloo group
-is a set of TCP connections between the ranks' gloo listeners, so what ends a pending gloo
-collective is shutting those connections down: the collective then raises ``RuntimeError:
-... Connection closed by peer`` within milliseconds, on this rank and on the peers at the other
-end. This module finds them from this process's own sockets (``/proc/self/fd`` and
-``/proc/net/tcp``, so Linux only): :func:`listening` lists the TCP listeners of this process,
-:func:`new_listeners` those a launch added (the gloo listeners, one per group, made when the
-group is made even where gloo connects lazily), and :func:`shut_down` shuts down every
-established connection to or from a listener of a given set (this rank's and its peers':
-:func:`post_listeners` and :func:`read_listeners` carry them over the launch's store). The descriptors stay open for gloo to close; nothing else in the
-process is touched. Linux only: elsewhere :func:`shut_down` finds nothing.
+``abort()``, ``shutdown()`` and ``suspend()`` of a gloo group all leave a pending collective
+waiting until its timeout). A gloo group is a set of TCP connections between the ranks' gloo
+listeners, so what ends a pending gloo collective is shutting those connections down: the
+collective then raises ``RuntimeError: ... Connection closed by peer`` within milliseconds, on
+this rank and on the peers at the other end. ``gpc.abort()`` (:class:`parallelctx.guard.core.Guard`)
+is made of :func:`abort_groups`, :func:`wake` (for a pair that waits for a peer that never
+connected) and each group's :class:`~parallelctx.guard.sockets.GlooLoop`, found when the group
+was made, which knows the group's connections without looking at any other descriptor.
 
-Imports nothing from parallelctx.
+Also here, for a process's own use (``gpc`` needs none of them since each group's loop is known):
+:func:`listening` (this process's TCP listeners), :func:`new_listeners`, :func:`shut_down`
+(every connection to or from given listeners, found by a scan of ``/proc/self/fd``),
+:func:`socket_inodes`, and :func:`post_listeners` / :func:`read_listeners` (listeners carried
+over a store). Linux only: elsewhere they find nothing.
+
+Imports nothing from parallelctx outside this package.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .sockets import Endpoint, endpoint_of, shut_down_fd
+
 __all__ = [
     "AbortableStore",
     "Endpoint",
@@ -44,9 +49,6 @@ __all__ = [
     "socket_inodes",
     "wake",
 ]
-
-# A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port).
-Endpoint = tuple[str, int]
 
 _LISTEN = "0A"
 
@@ -92,35 +94,16 @@ def _tcp_sockets() -> list[tuple[int, int, Endpoint, Endpoint, str]]:
     return rows
 
 
-def _proc_hex(family: int, address: str) -> str:
-    """``address`` written as /proc/net/tcp[6] writes it (each 32-bit word in host order)."""
-    packed = socket.inet_pton(family, address)
-    return "".join(packed[i : i + 4][::-1].hex() for i in range(0, len(packed), 4)).upper()
-
-
 def listening(exclude: Collection[int] = ()) -> dict[int, Endpoint]:
     """Return the TCP listeners of this process: inode -> (address in hex, port), as
-    /proc/net/tcp[6] would give them, but asked of this process's own sockets (the system-wide
-    tables are large on a busy machine, and reading them took tens of ms per launch). Sockets
-    whose inode is in ``exclude`` (e.g. every socket held before a launch) are not looked at."""
+    /proc/net/tcp[6] would give them, but asked of this process's own sockets (one duplicate of
+    each; a scan of every descriptor). Sockets whose inode is in ``exclude`` are not looked at."""
     out: dict[int, Endpoint] = {}
     for inode, fd in _socket_fds().items():
-        if inode in exclude:
-            continue
-        with contextlib.suppress(OSError, ValueError):
-            sock = socket.socket(fileno=os.dup(fd))
-            try:
-                if os.fstat(sock.fileno()).st_ino != inode:
-                    continue  # the descriptor number was reused for another socket meanwhile
-                if (
-                    sock.family in (socket.AF_INET, socket.AF_INET6)
-                    and sock.type == socket.SOCK_STREAM
-                    and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-                ):
-                    address, port = sock.getsockname()[:2]
-                    out[inode] = (_proc_hex(sock.family, address.split("%")[0]), int(port))
-            finally:
-                sock.close()  # the duplicate only; the process's own descriptor stays open
+        if inode not in exclude:
+            endpoint = endpoint_of(fd, inode)
+            if endpoint is not None:
+                out[inode] = endpoint
     return out
 
 
@@ -144,27 +127,11 @@ def shut_down(listeners: Collection[Endpoint]) -> int:
     Returns:
         The number of connections shut down. Never raises for a socket that closed meanwhile.
     """
-    done = 0
-    for inode, fd, local, remote, state in _tcp_sockets():
-        if state == _LISTEN or not (_matches(local, listeners) or _matches(remote, listeners)):
-            continue
-        try:
-            copy = os.dup(fd)
-        except OSError:
-            continue  # closed meanwhile
-        try:
-            if os.fstat(copy).st_ino != inode:
-                continue  # the descriptor number was reused for another file
-            with socket.socket(fileno=copy) as sock:
-                copy = -1  # the socket object owns (and closes) the copy now
-                sock.shutdown(socket.SHUT_RDWR)
-                done += 1
-        except OSError:
-            pass
-        finally:
-            if copy >= 0:
-                os.close(copy)
-    return done
+    return sum(
+        shut_down_fd(fd, inode)
+        for inode, fd, local, remote, state in _tcp_sockets()
+        if state != _LISTEN and (_matches(local, listeners) or _matches(remote, listeners))
+    )
 
 
 def _host(address: str) -> str:

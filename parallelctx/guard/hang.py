@@ -28,6 +28,7 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.layout import ParallelMode
+from .patch import Patches
 
 __all__ = ["OPS", "HangReport", "HangWatch", "describe_call"]
 
@@ -210,7 +212,6 @@ def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -
 
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = getattr(original, "__doc__", None)
-    collective.__wrapped__ = original  # type: ignore[attr-defined]
     return collective
 
 
@@ -251,7 +252,7 @@ class HangWatch:
         for group, modes, cpu, ranks in groups:
             if group is not None and group not in self._slots and len(ranks) > 1:
                 self._slots[group] = _Slot(str(group.group_name), modes, cpu, ranks)
-        self._saved: dict[str, Callable[..., Any]] = {}
+        self._patches = Patches()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[HangReport] = []
@@ -260,14 +261,8 @@ class HangWatch:
         """Wrap the collective methods and start the watching thread; returns None."""
         pg = dist.ProcessGroup
         for name in OPS:
-            if name not in vars(pg):
-                continue
-            # Keep the class's own attribute (pybind's instancemethod) to put back: the
-            # function getattr gives would not bind ``self`` once set on the class again.
-            self._saved[name] = vars(pg)[name]
-            wrapped = _wrap(name, getattr(pg, name), self._slots)
-            wrapped._watch = self  # type: ignore[attr-defined]
-            setattr(pg, name, wrapped)
+            if name in vars(pg):
+                self._patches.replace(pg, name, functools.partial(_wrap, name, slots=self._slots))
         self._thread = threading.Thread(target=self._run, name="parallelctx-hang-report", daemon=True)
         self._thread.start()
 
@@ -275,12 +270,7 @@ class HangWatch:
         """Stop the thread (waiting at most ``timeout`` s) and restore the methods wrapped by
         :meth:`start` (a method someone wrapped again since is left alone); returns None."""
         self._stop.set()
-        pg = dist.ProcessGroup
-        for name, saved in self._saved.items():
-            current = vars(pg).get(name)
-            if getattr(current, "__wrapped__", None) is not None and getattr(current, "_watch", None) is self:
-                setattr(pg, name, saved)
-        self._saved.clear()
+        self._patches.restore()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)

@@ -44,8 +44,6 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
         "`pip install 'parallelctx[megatron]'` (megatron-core 0.16 to 0.19; docs/migration.md)"
     ) from _exc
 
-import torch.distributed as dist
-
 from ..context import NotLaunchedError, gpc
 from ..planning.layout import Layout
 from . import release as _release
@@ -58,7 +56,7 @@ from .release import (
     Release,
 )
 from .rng import RNG_STREAMS, GpcRNGTracker, swap_back, swap_in
-from .state import Installed, Maker, extra_groups, sources, values
+from .state import Installed, extra_groups, sources, values
 
 __all__ = [
     "COLLECTION_FIELDS",
@@ -91,7 +89,7 @@ def check_megatron_version() -> Release:
 # The installed state: set by install(), cleared by uninstall().
 _state: Installed | None = None
 # Collections process_groups() made since launch, by the options that shape them.
-_collections: dict[Options, tuple[Any, list[Any]]] = {}
+_collections: dict[Options, tuple[Any, Installed]] = {}
 
 
 def is_installed() -> bool:
@@ -100,12 +98,14 @@ def is_installed() -> bool:
 
 
 def _require_launched(what: str) -> Layout:
-    if gpc._layout is None or gpc._streams is None:
+    try:
+        gpc.rng_streams  # noqa: B018 - seeded: the launch is complete
+        return gpc.layout
+    except NotLaunchedError:
         raise NotLaunchedError(
             f"parallelctx.megatron.{what} needs a launched gpc: call parallelctx.launch_from_torch(config) "
             "(or launch, launch_from_env, spawn) first"
-        )
-    return gpc._layout
+        ) from None
 
 
 def _require_gtp(layout: Layout, release: Release) -> None:
@@ -118,14 +118,14 @@ def _require_gtp(layout: Layout, release: Release) -> None:
 
 
 def _build(layout: Layout, opts: Options) -> tuple[Installed, dict[str, Any]]:
-    """Make the groups gpc lacks for ``opts`` and return them with every global's value."""
-    rank = gpc.get_global_rank()
-    state = Installed()
+    """Make the groups gpc lacks for ``opts`` (with gpc's group maker, so that ``gpc.abort()``
+    reaches them) and return them with every global's value."""
+    state = Installed(gpc.group_maker())
     try:
-        extra = extra_groups(layout, rank, Maker(layout, rank, state), opts)
+        extra = extra_groups(layout, gpc.get_global_rank(), state.maker, opts)
         return state, values(layout, extra, opts)
     except BaseException:
-        _destroy_groups(state.created)
+        state.maker.destroy(state.created)
         raise
 
 
@@ -214,18 +214,9 @@ def process_groups(**options: Any) -> Any:
             f: (None if g is None else found[g]) for f, g in COLLECTION_FIELDS.items() if f in release.fields
         }
         collection = ProcessGroupCollection(**fields)
-        _collections[key] = (collection, state.created)
+        _collections[key] = (collection, state)
         gpc.add_destroy_hook(_on_destroy)
     return _collections[key][0]
-
-
-def _destroy_groups(groups: list[Any]) -> None:
-    if not dist.is_initialized():
-        return
-    registry = dist.distributed_c10d._world.pg_map
-    for group in groups:
-        if group is not None and group in registry:
-            dist.destroy_process_group(group)
 
 
 def uninstall() -> bool:
@@ -244,12 +235,12 @@ def uninstall() -> bool:
     for name in state.names:
         setattr(ps, name, _release.pristine(name))
     swap_back(state.random_before)
-    _destroy_groups(state.created)
+    state.maker.destroy(state.created)
     return True
 
 
 def _on_destroy() -> None:
     uninstall()
-    made = [group for _, created in _collections.values() for group in created]
+    for _, state in _collections.values():
+        state.maker.destroy(state.created)
     _collections.clear()
-    _destroy_groups(made)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from megatron.core.tensor_parallel import random as _mrandom
 
-from ..context import gpc
+from ..context import NotLaunchedError, gpc
 from ..planning.layout import ParallelMode
 
 __all__ = ["RNG_STREAMS", "GpcRNGTracker"]
@@ -69,7 +69,10 @@ class GpcRNGTracker(_mrandom.CudaRNGStatesTracker):
 
     def is_initialized(self) -> bool:
         """Return True once gpc has its streams (after launch)."""
-        return gpc._streams is not None
+        try:
+            return gpc.rng_streams is not None
+        except NotLaunchedError:
+            return False
 
     def reset(self) -> None:
         """Nothing to forget: the streams belong to gpc (:meth:`add` restarts one)."""

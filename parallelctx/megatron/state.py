@@ -13,11 +13,11 @@ from megatron.core import parallel_state as ps
 
 from ..context import gpc
 from ..planning.layout import Layout, ParallelMode
-from ..runtime.groups import _claim_name, _compact, lazy_gloo, local_sync_blocker
+from ..runtime.groups import GroupMaker
 from .options import Options
 from .release import known_globals, pristine
 
-__all__ = ["EXTRA_GROUPS", "Installed", "Maker", "extra_groups", "sources", "values"]
+__all__ = ["EXTRA_GROUPS", "Installed", "extra_groups", "sources", "values"]
 
 # The gloo groups create_gloo_process_groups=False leaves unset.
 _GLOO_GLOBALS = (
@@ -44,10 +44,22 @@ EXTRA_GROUPS: dict[str, tuple[str, tuple[str, ...], str]] = {
 
 @dataclass
 class Installed:
-    created: list[Any] = field(default_factory=list)
+    """What one :func:`parallelctx.megatron.install` (or ``process_groups()``) made: the groups
+    (``maker.made``), the RNG tracker it replaced and the ``parallel_state`` globals it set."""
+
+    maker: GroupMaker
     random_before: dict[str, Any] = field(default_factory=dict)
-    calls: int = 0
     names: tuple[str, ...] = ()  # the globals install() set
+
+    @property
+    def created(self) -> list[Any]:
+        """The process groups made for this install."""
+        return [held.group for held in self.maker.made]
+
+    @property
+    def calls(self) -> int:
+        """The ``new_group`` calls made for this install."""
+        return self.maker.calls
 
 
 def _existing_groups() -> dict[tuple[int, ...], tuple[Any, Any]]:
@@ -59,48 +71,6 @@ def _existing_groups() -> dict[tuple[int, ...], tuple[Any, Any]]:
                 tuple(gpc.get_ranks_in_group(mode)), (gpc.get_group(mode), gpc.get_cpu_group(mode))
             )
     return found
-
-
-class Maker:
-    """Makes the groups gpc lacks: only its members call, locally synchronized (or, where torch
-    cannot, every rank makes every group of the kind, as groups.py does)."""
-
-    def __init__(self, layout: Layout, rank: int, state: Installed) -> None:
-        self.layout, self.rank, self.state = layout, rank, state
-        self.timeout = gpc.config.dist.timeout
-        self.blocker = local_sync_blocker() if layout.world_size > 1 else None
-        self.used: set[Any] = set() if gpc._owns_default_group else gpc._meetings.adopted_names()
-        self.started = False  # gpc._start_notes() called: at the first group made, not before
-
-    def make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
-        """This rank's new group with ``members`` (``every`` lists all groups of the kind); a
-        gloo group connects on its first collective when gpc's own groups do
-        (``dist.gloo_lazy_init``)."""
-        if not self.started:
-            self.started = True
-            gpc._start_notes()
-        with lazy_gloo(gpc.config.dist.gloo_lazy_init):
-            return self._make(members, every, desc)
-
-    def _make(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
-        if self.blocker is None:
-            _claim_name(_compact(list(members)), self.used)
-            group = dist.new_group(
-                list(members), timeout=self.timeout, use_local_synchronization=True, group_desc=desc
-            )
-            self.state.calls += 1
-            self.state.created.append(group)
-            gpc._note_group(group)
-            return group
-        mine = None
-        for row in every():
-            group = dist.new_group(row, timeout=self.timeout, group_desc=desc)
-            self.state.calls += 1
-            if self.rank in row:
-                mine = group
-                self.state.created.append(group)
-                gpc._note_group(group)
-        return mine
 
 
 def _hierarchical_rows(ranks: Sequence[int], sizes: Sequence[int], level: int) -> list[list[int]]:
@@ -124,7 +94,7 @@ def _hybrid_rows(ranks: Sequence[int]) -> dict[int, list[list[int]]]:
     return {n: [list(ranks[i : i + n]) for i in range(0, len(ranks), n)] for n in sizes}
 
 
-def extra_groups(layout: Layout, rank: int, maker: Maker, opts: Options) -> dict[str, Any]:
+def extra_groups(layout: Layout, rank: int, maker: GroupMaker, opts: Options) -> dict[str, Any]:
     """The groups gpc has no mode for, keyed by Megatron's token ``(members, group)``, plus
     ``"pos"``: the position-embedding group (this rank alone, on the first pipeline stage only;
     None elsewhere); with the options, ``"ag"`` (a separate data x context group), ``"hcp"`` (the
@@ -135,7 +105,7 @@ def extra_groups(layout: Layout, rank: int, maker: Maker, opts: Options) -> dict
     def kind(members: list[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
         key = tuple(members)
         if key not in existing:
-            existing[key] = (maker.make(members, every, desc), None)
+            existing[key] = (maker.make(members, every, rank, desc), None)
         return existing[key][0]
 
     def rows_of(grid: str, axes: tuple[str, ...]) -> Callable[[], Iterator[list[int]]]:
@@ -165,7 +135,7 @@ def extra_groups(layout: Layout, rank: int, maker: Maker, opts: Options) -> dict
             yield from layout.groups(ParallelMode.DATA_CONTEXT)
 
         members = gpc.get_ranks_in_group(ParallelMode.DATA_CONTEXT)
-        out["ag"] = maker.make(members, dp_cps, "megatron_data_context_all_gather")
+        out["ag"] = maker.make(members, dp_cps, rank, "megatron_data_context_all_gather")
     if opts.hierarchical_cp:
         levels = []
         for level in range(len(opts.hierarchical_cp)):

@@ -8,13 +8,25 @@ context's clear error; :class:`Unlaunched` stands in for a view before launch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
-from .layout import LayoutError, ParallelMode
+from .layout import Layout, LayoutError, ParallelMode
 
-__all__ = ["LAUNCH_HINT", "VIEW_NAMES", "ModeTable", "ModeView", "NotLaunchedError", "Ranks", "Unlaunched"]
+__all__ = [
+    "LAUNCH_HINT",
+    "VIEW_NAMES",
+    "Adopted",
+    "Answers",
+    "ModeTable",
+    "ModeView",
+    "ModeViews",
+    "NotLaunchedError",
+    "Ranks",
+    "Unlaunched",
+    "not_launched",
+]
 
 LAUNCH_HINT = (
     "call parallelctx.launch_from_torch(config) (or launch, launch_from_env, launch_from_slurm, "
@@ -29,6 +41,32 @@ VIEW_NAMES: dict[ParallelMode, str] = {
 
 class NotLaunchedError(RuntimeError):
     """A query was made before the context was launched, or after ``destroy()``."""
+
+
+def not_launched(what: str) -> NotLaunchedError:
+    """Return the error for ``what`` (e.g. ``"gpc.layout"``) asked before it was made."""
+    return NotLaunchedError(f"{what} is not available yet: {LAUNCH_HINT}")
+
+
+class Adopted:
+    """A read-only attribute of a context, answered from the field ``field`` of the value the
+    context adopted (its ``launched``), or from ``derive(field value, launched value)``; raises
+    :class:`NotLaunchedError` while the field is not made yet (None, or an empty tuple)."""
+
+    def __init__(self, field: str, doc: str, derive: Callable[[Any, Any], Any] | None = None) -> None:
+        self.field, self.__doc__, self.derive = field, doc, derive
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, ctx: Any, owner: type | None = None) -> Any:
+        if ctx is None:
+            return self
+        launched = ctx.launched
+        value = getattr(launched, self.field)
+        if value is None or (isinstance(value, tuple) and not value):
+            raise not_launched(f"gpc.{self.name}")
+        return value if self.derive is None else self.derive(value, launched)
 
 
 class Ranks(Sequence[int]):
@@ -113,6 +151,18 @@ class ModeView:
         if not isinstance(self.ranks, Ranks):
             object.__setattr__(self, "ranks", Ranks(self.ranks))
 
+    @classmethod
+    def of(cls, mode: ParallelMode, rank: int, ranks: Sequence[int], group: Any, cpu_group: Any) -> ModeView:
+        """Return global rank ``rank``'s view of its group of ``mode`` (ascending ``ranks``).
+
+        Raises:
+            ValueError: ``rank`` is not in ``ranks``.
+        """
+        local, size = ranks.index(rank), len(ranks)
+        return cls(
+            mode, local, size, ranks, group, cpu_group, ranks[(local + 1) % size], ranks[(local - 1) % size]
+        )
+
     @property
     def is_first(self) -> bool:
         """True on the group's first rank."""
@@ -154,7 +204,128 @@ class Unlaunched:
         self._name = name
 
     def __getattr__(self, attr: str) -> Any:
-        raise NotLaunchedError(f"gpc.{self._name}.{attr} is not available yet: {LAUNCH_HINT}")
+        raise not_launched(f"gpc.{self._name}.{attr}")
 
     def __repr__(self) -> str:
         return f"<gpc.{self._name}: not launched>"
+
+
+class ModeViews:
+    """The readable views a launched context has, one per mode (``gpc.tensor``, ``gpc.world``;
+    declared here for type checkers; :data:`VIEW_NAMES` maps each mode to its name)."""
+
+    world: ModeView
+    tensor: ModeView
+    pipeline: ModeView
+    data: ModeView
+    context: ModeView
+    model: ModeView
+    data_context: ModeView
+    embedding: ModeView
+    expert: ModeView
+    expert_tensor: ModeView
+    expert_data: ModeView
+    expert_tensor_and_expert: ModeView
+    expert_model: ModeView
+    data_shard: ModeView
+    data_replicate: ModeView
+    data_shard_context: ModeView
+    expert_data_shard: ModeView
+    expert_data_replicate: ModeView
+    gtp_remat: ModeView
+    expert_gtp_remat: ModeView
+
+
+class Answers:
+    """What a context answers its per-mode queries from: one :class:`ModeTable` per query
+    (local rank, size, group, CPU group) and the views, filled at once by :meth:`fill`.
+
+    :attr:`queries` are the four hottest queries as closures over their tables (one Python frame
+    and one dict lookup a call, no bound method, no attribute lookup); a miss resolves an alias
+    or raises what :meth:`miss` says."""
+
+    def __init__(self) -> None:
+        self.local_ranks = ModeTable(lambda m: self.miss(m, "get_local_rank()"))
+        self.world_sizes = ModeTable(lambda m: self.miss(m, "get_world_size()"))
+        self.groups = ModeTable(lambda m: self.miss(m, "get_group()"))
+        self.cpu_groups = ModeTable(lambda m: self.miss(m, "get_cpu_group()"))
+        self.views: dict[ParallelMode, ModeView] = {}
+        self.rank = -1
+        self.layout: Layout | None = None
+        local_ranks, world_sizes, groups, cpu_groups = (
+            self.local_ranks,
+            self.world_sizes,
+            self.groups,
+            self.cpu_groups,
+        )
+
+        def get_local_rank(mode: ParallelMode | str) -> int:
+            return local_ranks[mode]  # type: ignore[no-any-return,unused-ignore]
+
+        def get_world_size(mode: ParallelMode | str) -> int:
+            return world_sizes[mode]  # type: ignore[no-any-return,unused-ignore]
+
+        def get_group(mode: ParallelMode | str) -> Any:
+            return groups[mode]
+
+        def get_cpu_group(mode: ParallelMode | str) -> Any:
+            return cpu_groups[mode]
+
+        self.queries: tuple[Callable[[Any], Any], ...] = (
+            get_local_rank,
+            get_world_size,
+            get_group,
+            get_cpu_group,
+        )
+
+    def fill(
+        self, rank: int, world_size: int, groups: Mapping[ParallelMode, Any], layout: Layout | None
+    ) -> None:
+        """Answer from ``groups`` (mode -> an object with ``ranks``, ``group``, ``cpu_group``)
+        for global ``rank`` of ``world_size`` (-1, 0: not launched) under ``layout``, replacing
+        every earlier answer; returns None."""
+        for table in (self.local_ranks, self.world_sizes, self.groups, self.cpu_groups, self.views):
+            table.clear()
+        self.rank, self.layout = rank, layout
+        if rank >= 0:
+            self.local_ranks[ParallelMode.GLOBAL] = rank
+            self.world_sizes[ParallelMode.GLOBAL] = world_size
+        for mode, g in groups.items():
+            view = ModeView.of(mode, rank, g.ranks, g.group, g.cpu_group)
+            self.views[mode] = view
+            self.local_ranks[mode] = view.rank
+            self.world_sizes[mode] = view.size
+            self.groups[mode] = g.group
+            self.cpu_groups[mode] = g.cpu_group
+
+    def miss(self, mode: Any, what: str) -> Exception:
+        """Return the error for asking ``what`` of ``mode`` where there is no answer: not
+        launched, or a mode this rank has no group of (EMBEDDING on a middle pipeline stage).
+
+        Raises:
+            LayoutError: ``mode`` names no mode.
+        """
+        if not self.views and self.layout is None:
+            return not_launched(what)
+        parsed = ParallelMode.parse(mode)  # raises for an unknown mode
+        if self.layout is not None and parsed not in self.views and self.views:
+            return NotLaunchedError(
+                f"global rank {self.rank} belongs to no {parsed.value} group "
+                f"(only the first and last of {self.layout.pipeline} pipeline stages do)"
+            )
+        return not_launched(what)
+
+    def view(self, mode: ParallelMode | str, what: str) -> ModeView:
+        """Return this rank's view of ``mode`` (any name of it).
+
+        Raises:
+            NotLaunchedError, LayoutError: as :meth:`miss` returns them.
+        """
+        try:
+            return self.views[mode]  # type: ignore[index]  # a plain name finds its mode: equal hashes
+        except KeyError:
+            pass
+        try:  # an alias or another case ("tp", "TENSOR")
+            return self.views[ParallelMode.parse(mode)]
+        except (KeyError, LayoutError):
+            raise self.miss(mode, what) from None

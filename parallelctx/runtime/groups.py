@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,10 +43,19 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from ..guard import abort as _abort
+from ..guard.core import Guard, Held
+from ..guard.sockets import FdSlots
 from ..planning.layout import Layout, ParallelMode
 
-__all__ = ["ModeGroup", "Sockets", "create_groups", "creation_order", "lazy_gloo", "local_sync_blocker"]
+__all__ = [
+    "GroupMaker",
+    "ModeGroup",
+    "compact",
+    "create_groups",
+    "creation_order",
+    "lazy_gloo",
+    "local_sync_blocker",
+]
 
 logger = logging.getLogger("parallelctx")
 
@@ -68,8 +77,10 @@ class ModeGroup:
     cpu_group: dist.ProcessGroup
 
 
-def _compact(members: list[int]) -> Sequence[int]:
+def compact(members: Sequence[int]) -> Sequence[int]:
     """Return ascending, evenly spaced members as a ``range``, any others as a tuple."""
+    if isinstance(members, range):
+        return members
     if len(members) >= 2:
         step = members[1] - members[0]
         if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
@@ -106,33 +117,6 @@ def local_sync_blocker() -> str | None:
     return None
 
 
-def _claim_name(members: Sequence[int], used: set[tuple[Sequence[int], int]]) -> None:
-    """Record, in ``used``, the name torch is about to give a locally synchronized group.
-
-    torch names such a group by its members and the number of groups the process holds, so
-    after the groups are destroyed on a default group that lives on, the same groups would get
-    the same names and their members would meet on stale rendezvous keys.
-
-    Raises:
-        RuntimeError: this process already made a group with these members under the same name
-            on this default group (it was destroyed since); the message says how to avoid it.
-    """
-    names = getattr(getattr(c10d, "_world", None), "pg_names", None)
-    if names is None:  # a torch without this registry: nothing to check against
-        return
-    key = (members, len(names))
-    if key in used:
-        raise RuntimeError(
-            f"parallelctx already made a process group of ranks {list(members)} on this default "
-            f"group while the process held {len(names)} groups, and destroyed it since; torch would "
-            "give the new group the old name, and its members would meet on stale rendezvous keys "
-            "(gloo: 'connection refused' until the timeout). Destroy and re-create the default "
-            "group too (let parallelctx own it: launch without calling init_process_group first), "
-            "or keep another process group alive across gpc.destroy() so the names differ"
-        )
-    used.add(key)
-
-
 @contextlib.contextmanager
 def lazy_gloo(enabled: bool) -> Iterator[None]:
     """Make gloo groups built inside connect on their first collective (TORCH_GLOO_LAZY_INIT=1),
@@ -148,170 +132,181 @@ def lazy_gloo(enabled: bool) -> Iterator[None]:
         os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 
-Sockets = dict[int, tuple[int, int]]
-"""Socket inode -> (this rank's index in the group, group size), for every socket a group's
-creation opened: its gloo listener, for ``gpc.abort()`` (see :mod:`parallelctx.abort`)."""
+class GroupMaker:
+    """Makes this rank's process groups for one launch, and is the one way parallelctx makes a
+    group: gpc's modes (:func:`create_groups`) and the groups a bridge adds (the Megatron
+    bridge's, through ``gpc.group_maker()``).
 
+    Each group: locally synchronized where torch can (only its members call), else every group
+    of its kind on every rank (:func:`local_sync_blocker`); gloo groups connect on their first
+    collective when ``lazy`` (:func:`lazy_gloo`); on an adopted default group the name torch gives
+    it is claimed first (:meth:`claim`); held by ``guard`` as soon as it exists, with the free
+    descriptor slots read just before it was made, so that ``gpc.abort()`` from another thread
+    reaches it at once. ``calls`` counts the ``new_group`` calls; ``made`` lists what the guard
+    holds of them.
+    """
 
-class _Notes:
-    """Notes, for each group made, the sockets its creation opened into ``sockets`` (None: not
-    noted). One ``/proc/self/fd`` scan per group: each scan is the next group's "before"."""
+    def __init__(
+        self,
+        guard: Guard,
+        timeout: timedelta,
+        lazy: bool = True,
+        used_names: set[tuple[Sequence[int], int]] | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        self.guard = guard
+        self.timeout = timeout
+        self.lazy = lazy
+        self.used = set() if used_names is None else used_names
+        world = dist.get_world_size() if world_size is None else world_size
+        self.blocker = local_sync_blocker() if world > 1 else None
+        self.calls = 0
+        self.made: list[Held] = []
 
-    def __init__(self, sockets: Sockets | None) -> None:
-        self.sockets = sockets
-        self.seen = _abort.socket_inodes() if sockets is not None else frozenset()
+    def claim(self, members: Sequence[int]) -> None:
+        """Record, in the used names, the name torch is about to give a locally synchronized
+        group of ``members``: torch names it by its members and the number of groups the process
+        holds, so after groups are destroyed on a default group that lives on, the same groups
+        would get the same names and their members would meet on stale rendezvous keys.
 
-    def new_group(self, *args: Any, **kwargs: Any) -> Any:
-        """``dist.new_group(*args, **kwargs)``, noting the sockets it opened."""
-        group = dist.new_group(*args, **kwargs)
-        if self.sockets is not None:
-            now = _abort.socket_inodes()
-            if isinstance(group, dist.ProcessGroup) and group.size() > 1:
-                for inode in now - self.seen:
-                    self.sockets[inode] = (group.rank(), group.size())
-            self.seen = now
+        Raises:
+            RuntimeError: this process already made a group with these members under the same
+                name on this default group (it was destroyed since); the message says how to
+                avoid it.
+        """
+        names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+        if names is None:  # a torch without this registry: nothing to check against
+            return
+        key = (compact(list(members)), len(names))
+        if key in self.used:
+            raise RuntimeError(
+                f"parallelctx already made a process group of ranks {list(members)} on this default "
+                f"group while the process held {len(names)} groups, and destroyed it since; torch would "
+                "give the new group the old name, and its members would meet on stale rendezvous keys "
+                "(gloo: 'connection refused' until the timeout). Destroy and re-create the default "
+                "group too (let parallelctx own it: launch without calling init_process_group first), "
+                "or keep another process group alive across gpc.destroy() so the names differ"
+            )
+        self.used.add(key)
+
+    def new_group(
+        self, ranks: Sequence[int] | None, desc: str, backend: str | None = None, local: bool = True
+    ) -> Any:
+        """One ``torch.distributed.new_group`` call (``ranks`` None: the whole world, every rank
+        calls), held by the guard at once.
+
+        Returns:
+            What torch returns (a process group, or its non-member marker for a rank outside
+            ``ranks`` when not ``local``).
+
+        Raises:
+            RuntimeError: from torch (a peer did not arrive within the timeout), or :meth:`claim`'s.
+        """
+        if local and ranks is not None:
+            self.claim(ranks)
+        slots = FdSlots.reserve()
+        with lazy_gloo(self.lazy):
+            group = dist.new_group(
+                None if ranks is None else list(ranks),
+                timeout=self.timeout,
+                backend=backend,
+                use_local_synchronization=local and ranks is not None,
+                group_desc=desc,
+            )
+        self.calls += 1
+        held = self.guard.hold(group, slots)
+        if held is not None:
+            self.made.append(held)
         return group
 
+    def make(
+        self,
+        members: Sequence[int],
+        every: Callable[[], Iterable[Sequence[int]]],
+        rank: int,
+        desc: str,
+        backend: str | None = None,
+    ) -> Any:
+        """This rank's group of one kind: locally synchronized with ``members``, or, where torch
+        cannot (:attr:`blocker`), every group ``every()`` lists, made on every rank in that order.
 
-def _local_group(
-    members: Sequence[int],
-    timeout: timedelta,
-    backend: str | None,
-    desc: str,
-    used: set[tuple[Sequence[int], int]],
-    notes: _Notes,
-) -> dist.ProcessGroup:
-    """Create one group that only its members call for (local synchronization)."""
-    _claim_name(members, used)
-    return notes.new_group(
-        list(members),
-        timeout=timeout,
-        backend=backend,
-        use_local_synchronization=True,
-        group_desc=desc,
-    )
+        Returns:
+            This rank's group (None where it is in no group of the kind and local
+            synchronization was blocked).
+
+        Raises:
+            RuntimeError: as :meth:`new_group`.
+        """
+        if self.blocker is None:
+            return self.new_group(members, desc, backend)
+        mine = None
+        for row in every():
+            group = self.new_group(row, desc, backend, local=False)
+            if rank in row:
+                mine = group
+        return mine
+
+    def destroy(self, groups: Iterable[Any]) -> None:
+        """Destroy each of ``groups`` that torch still has (made by this maker; never the default
+        group) and stop holding it; returns None."""
+        groups = [g for g in groups if g is not None]
+        self.guard.release(groups)
+        if not dist.is_initialized():
+            return
+        registry = c10d._world.pg_map
+        for group in groups:
+            if group in registry and group is not dist.group.WORLD:
+                dist.destroy_process_group(group)
 
 
-def _group_everywhere(
-    layout: Layout,
-    mode: ParallelMode,
-    rank: int,
-    timeout: timedelta,
-    backend: str | None,
-    desc: str,
-    notes: _Notes,
-) -> tuple[Any, int]:
-    """Create every group of ``mode`` on this rank (all ranks call); return (ours or None, calls)."""
-    mine = None
-    rows = layout.group_array(mode).tolist()
-    for row in rows:
-        group = notes.new_group(row, timeout=timeout, backend=backend, group_desc=desc)
-        if rank in row:
-            mine = group
-    return mine, len(rows)
-
-
-def _one_rank_group(
-    layout: Layout,
-    rank: int,
-    timeout: timedelta,
-    cpu_backend: str | None,
-    blocker: str | None,
-    used: set[tuple[Sequence[int], int]],
-    notes: _Notes,
-) -> tuple[ModeGroup, int]:
-    """Create the one-rank group of ``rank`` (and its CPU twin); return it and the call count.
-
-    With local synchronization it is one local call (two with a CPU twin) and no connection;
-    where local synchronization is blocked every rank makes every rank's one-rank group.
-    """
+def _one_rank_group(layout: Layout, rank: int, maker: GroupMaker, cpu_backend: str | None) -> ModeGroup:
+    """The one-rank group of ``rank`` (and its CPU twin): one local call each, no connection;
+    where local synchronization is blocked every rank makes every rank's one-rank group."""
     members = range(rank, rank + 1)
-    if blocker is not None:
-        rows = [[r] for r in range(layout.world_size)]
-        group = cpu_group = None
-        for row in rows:
-            g = notes.new_group(row, timeout=timeout, group_desc="parallelctx_self")
-            c = g
-            if cpu_backend is not None:
-                c = notes.new_group(
-                    row, timeout=timeout, backend=cpu_backend, group_desc="parallelctx_self_cpu"
-                )
-            if row[0] == rank:
-                group, cpu_group = g, c
-        per_row = 1 if cpu_backend is None else 2
-        if group is None or cpu_group is None:
-            raise RuntimeError(
-                f"rank {rank} is outside the world of {layout.world_size}: no one-rank group made"
-            )
-        return ModeGroup(members, group, cpu_group), per_row * len(rows)
-    group = _local_group(members, timeout, None, "parallelctx_self", used, notes)
+
+    def every() -> Iterator[list[int]]:
+        return ([r] for r in range(layout.world_size))
+
+    group = maker.make(members, every, rank, "parallelctx_self")
     cpu_group = group
     if cpu_backend is not None:
-        cpu_group = _local_group(members, timeout, cpu_backend, "parallelctx_self_cpu", used, notes)
-    return ModeGroup(members, group, cpu_group), 1 if cpu_backend is None else 2
+        cpu_group = maker.make(members, every, rank, "parallelctx_self_cpu", cpu_backend)
+    return ModeGroup(members, group, cpu_group)
 
 
 def create_groups(
-    layout: Layout,
-    rank: int,
-    timeout: timedelta,
-    cpu_backend: str | None,
-    used_names: set[tuple[Sequence[int], int]] | None = None,
-    gloo_lazy_init: bool = True,
-    sockets: Sockets | None = None,
-) -> tuple[dict[ParallelMode, ModeGroup], int]:
-    """Create the process groups of every mode that ``rank`` belongs to.
+    layout: Layout, rank: int, maker: GroupMaker, cpu_backend: str | None
+) -> dict[ParallelMode, ModeGroup]:
+    """Create the process groups of every mode that ``rank`` belongs to, with ``maker``.
 
     Args:
         layout: the world's layout; ``layout.world_size`` must equal the default group's size.
         rank: this process's global rank.
-        timeout: the timeout of every group made here.
+        maker: makes each group (timeout, lazy gloo, name claims, the guard).
         cpu_backend: ``"gloo"`` to make a CPU group beside each group (accelerator backends),
             ``None`` when the main backend already runs on the CPU.
-        used_names: the names of groups made earlier on this default group (see
-            :func:`_claim_name`); updated in place. None: no check (a fresh default group).
-        gloo_lazy_init: gloo groups connect on their first collective instead of at creation,
-            unless TORCH_GLOO_LAZY_INIT is set in the environment.
-        sockets: filled in place with the sockets each group's creation opened (see
-            :data:`Sockets`); None: not noted.
 
     Returns:
-        ``({mode: ModeGroup}, number of new_group calls)``. A mode this rank is in no group of
-        (EMBEDDING on a middle pipeline stage) is left out.
+        ``{mode: ModeGroup}``; ``maker.calls`` counts the ``new_group`` calls. A mode this rank
+        is in no group of (EMBEDDING on a middle pipeline stage) is left out.
 
     Raises:
-        RuntimeError: from torch, when a peer does not arrive within ``timeout``; or a group
-            would reuse the name of one destroyed earlier (see :func:`_claim_name`).
+        RuntimeError: from torch, when a peer does not arrive within the timeout; or a group
+            would reuse the name of one destroyed earlier (:meth:`GroupMaker.claim`).
     """
-    used = set() if used_names is None else used_names
-    with lazy_gloo(gloo_lazy_init):
-        return _create(layout, rank, timeout, cpu_backend, used, _Notes(sockets))
-
-
-def _create(
-    layout: Layout,
-    rank: int,
-    timeout: timedelta,
-    cpu_backend: str | None,
-    used: set[tuple[Sequence[int], int]],
-    notes: _Notes,
-) -> tuple[dict[ParallelMode, ModeGroup], int]:
     world = ParallelMode.GLOBAL
     world_sig = layout.signature(world)
     default_group = dist.group.WORLD
     if default_group is None:
         raise RuntimeError("torch.distributed has no default group: call gpc.init_global_dist() first")
-    cpu_world = default_group
-    calls = 0
-    blocker = local_sync_blocker() if layout.world_size > 1 else None
-    if blocker is not None:
+    if maker.blocker is not None:
         logger.warning(
             "parallelctx: %s; every rank creates every group instead (O(world size) calls per rank)",
-            blocker,
+            maker.blocker,
         )
+    cpu_world = default_group
     if cpu_backend is not None and layout.world_size > 1:
-        cpu_world = notes.new_group(backend=cpu_backend, timeout=timeout, group_desc="parallelctx_cpu_global")
-        calls += 1
+        cpu_world = maker.new_group(None, "parallelctx_cpu_global", cpu_backend, local=False)
     made: dict[tuple, ModeGroup] = {}
     out: dict[ParallelMode, ModeGroup] = {}
     alone: ModeGroup | None = None  # the one-rank group every size-1 mode shares
@@ -324,36 +319,24 @@ def _create(
         if mode is world or (sig == world_sig and layout.world_size > 1):
             out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
             continue
-        members = _compact(layout.group_of(mode, rank))
+        members = compact(layout.group_of(mode, rank))
         if layout.size(mode) == 1:
-            if not members:
-                continue
-            if alone is None:
-                alone, n = _one_rank_group(layout, rank, timeout, cpu_backend, blocker, used, notes)
-                calls += n
-            out[mode] = alone
-        elif sig in made:
             if members:
-                out[mode] = made[sig]
-        elif blocker is not None:
-            # Every rank walks every group, members or not (EMBEDDING's middle stages too).
-            group, n = _group_everywhere(layout, mode, rank, timeout, None, mode.value, notes)
-            calls += n
+                alone = alone or _one_rank_group(layout, rank, maker, cpu_backend)
+                out[mode] = alone
+            continue
+        if sig not in made:
+            if not members and maker.blocker is None:
+                continue  # no group of this mode on this rank (EMBEDDING's middle stages)
+
+            def every(mode: ParallelMode = mode) -> Any:
+                return layout.group_array(mode).tolist()
+
+            group = maker.make(members, every, rank, mode.value)
             cpu_group = group
             if cpu_backend is not None:
-                cpu_group, n = _group_everywhere(
-                    layout, mode, rank, timeout, cpu_backend, f"{mode.value}_cpu", notes
-                )
-                calls += n
+                cpu_group = maker.make(members, every, rank, f"{mode.value}_cpu", cpu_backend)
             made[sig] = ModeGroup(members, group, cpu_group)
-            if members:
-                out[mode] = made[sig]
-        elif members:
-            group = _local_group(members, timeout, None, mode.value, used, notes)
-            calls += 1
-            cpu_group = group
-            if cpu_backend is not None:
-                cpu_group = _local_group(members, timeout, cpu_backend, f"{mode.value}_cpu", used, notes)
-                calls += 1
-            made[sig] = out[mode] = ModeGroup(members, group, cpu_group)
-    return out, calls
+        if members:
+            out[mode] = made[sig]
+    return out

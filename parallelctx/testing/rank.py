@@ -123,7 +123,7 @@ class RankPlugin:
         self.launched: tuple[dict[str, Any], bool] | None = None
         #: What that launch made: ``gpc``'s layout object and its config as a dict, to tell
         #: whether a test relaunched, destroyed or changed ``gpc`` (then it is not kept).
-        self.made: tuple[Any, dict[str, Any], list[Any]] | None = None
+        self.made: tuple[Any, dict[str, Any], tuple[Any, ...]] | None = None
 
     def begin(self, spec: dict[str, Any], port: int) -> None:
         """Set the test this process runs next, and rank 0's store port."""
@@ -184,7 +184,7 @@ class RankPlugin:
             if lazy:
                 os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
         self.launched = key
-        self.made = (gpc.layout, copy.deepcopy(gpc.config.to_dict()), list(gpc._destroy_hooks))
+        self.made = (gpc.layout, copy.deepcopy(gpc.config.to_dict()), gpc.destroy_hooks)
 
     def keepable(self) -> bool:
         """Whether ``gpc`` is still what this plugin launched for the test, unchanged: the
@@ -199,7 +199,7 @@ class RankPlugin:
             return False
         layout, config, hooks = self.made
         try:
-            return gpc.layout is layout and gpc._destroy_hooks == hooks and gpc.config.to_dict() == config
+            return gpc.layout is layout and gpc.destroy_hooks == hooks and gpc.config.to_dict() == config
         except Exception:  # a config that cannot be read back or compared is not kept
             return False
 

@@ -1,0 +1,614 @@
+"""The pydantic models of the sections parallelctx owns (:class:`ParallelConfig`,
+:class:`DistConfig`, the seed), :class:`Section` for every other section, and :class:`Config`,
+the whole validated config, with :func:`load_config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from ..planning.layout import DEFAULT_ORDER, Layout, LayoutError, parse_order
+from ..planning.limits import MAX_CONFIG_DEPTH, MAX_CONFIG_NODES, MAX_SEED
+from .errors import (
+    OWNED_SECTIONS,
+    ConfigError,
+    ConfigValidationError,
+    _shown,
+    near_miss_section,
+    validation_error,
+)
+from .files import read_config_file
+from .values import (
+    DEFAULT_TIMEOUT,
+    _as_int,
+    _closest,
+    _strict_int,
+    _unknown_key,
+    to_timedelta,
+    validate_init_method,
+)
+
+__all__ = [
+    "AxisConfig",
+    "Config",
+    "ConfigLike",
+    "DataConfig",
+    "DistConfig",
+    "ExpertConfig",
+    "HangReportConfig",
+    "ParallelConfig",
+    "Section",
+    "load_config",
+]
+
+
+class AxisConfig(BaseModel):
+    """One parallel axis: ``tensor=2`` or ``tensor=dict(size=2, ...)``.
+
+    ``size`` is a plain int (a bool, a string or a float is refused). Other keys are kept
+    (``pipeline=dict(size=4, interleaved_overlap=True)``) and readable as attributes, for the model
+    code that uses them, except keys that look like a misspelt valid key (``sizes``, ``szie``),
+    which are refused with the key they probably mean, and keys named like a pydantic or
+    config-section method (``copy``, ``json``, ``items``, ``get``...), which attribute access
+    could not reach.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    size: int = 1
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _positive_int(cls, value: Any) -> int:
+        return _strict_int(value, "size", 1)
+
+    @classmethod
+    def _coerce(cls, value: Any, name: str = "axis") -> Any:
+        """Turn ``tensor=2`` into ``{"size": 2}`` and check the keys of ``tensor=dict(...)``."""
+        what = f"parallel.{name}"
+        if isinstance(value, (cls, AxisConfig)):
+            return value
+        if isinstance(value, Mapping):
+            valid = tuple(cls.model_fields)
+            for key in value:
+                if key in valid:
+                    continue
+                if not isinstance(key, str) or not key.isidentifier():
+                    raise ValueError(
+                        f"{what}: key {_shown(key)} is not a name; the keys of an axis are names such as "
+                        f"{', '.join(valid)}"
+                    )
+                guess = _closest(key, valid)
+                if guess is not None:
+                    raise ValueError(f"{what}: unknown key {key!r}; did you mean {guess!r}?")
+                if hasattr(cls, key) or hasattr(Section, key):
+                    raise ValueError(
+                        f"{what}: key {key!r} has the name of a pydantic model or config-section "
+                        f"attribute (items, keys, get, copy...), so {what}.{key} would not return it; "
+                        f"rename the key (e.g. {key + '_'!r})"
+                    )
+            return dict(value)
+        number = _as_int(value)
+        if number is None:
+            raise ValueError(
+                f"{what}={_shown(value)} is of type {type(value).__name__}; give the size as an int "
+                f"({name}=2) or a dict ({name}=dict(size=2))"
+            )
+        return {"size": number}
+
+
+class ExpertConfig(AxisConfig):
+    """Expert parallelism: ``expert=4`` or ``expert=dict(size=4, tensor=1)``.
+
+    ``tensor`` is the expert-tensor size (a plain int); ``None`` means the dense tensor size.
+    """
+
+    tensor: int | None = None
+    gtp_remat: int = 1
+
+    @field_validator("tensor", mode="before")
+    @classmethod
+    def _positive_int_or_none(cls, value: Any) -> int | None:
+        return None if value is None else _strict_int(value, "tensor", 1)
+
+    @field_validator("gtp_remat", mode="before")
+    @classmethod
+    def _gtp_positive_int(cls, value: Any) -> int:
+        return _strict_int(value, "gtp_remat", 1)
+
+
+class DataConfig(BaseModel):
+    """The data axis: ``data=4`` (a checked size), or HSDP's split of it,
+    ``data=dict(replicate=2)`` or ``data=dict(replicate=2, shard=4)``.
+
+    ``replicate`` is the outer part (torchtitan's ``dp_replicate``: FSDP2's replicas), ``shard``
+    the inner part (``dp_shard``: the ranks that shard the parameters), so data = replicate ×
+    shard. ``size`` and ``shard`` are derived from the world when absent and checked against it
+    at launch when given; every value is a plain positive int.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    size: int | None = None
+    replicate: int = 1
+    shard: int | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _int_or_dict(cls, value: Any) -> Any:
+        if isinstance(value, (cls, Mapping)):
+            return _only_known_keys("parallel.data", value, tuple(cls.model_fields))
+        number = _as_int(value)
+        if number is None:
+            raise ValueError(
+                f"parallel.data={_shown(value)} is of type {type(value).__name__}; give the data size "
+                "as an int (data=4) or its HSDP split as a dict (data=dict(replicate=2, shard=4))"
+            )
+        return {"size": number}
+
+    @field_validator("size", "shard", mode="before")
+    @classmethod
+    def _positive_int_or_none(cls, value: Any, info: Any) -> int | None:
+        return None if value is None else _strict_int(value, info.field_name, 1)
+
+    @field_validator("replicate", mode="before")
+    @classmethod
+    def _positive_int(cls, value: Any) -> int:
+        return _strict_int(value, "replicate", 1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> DataConfig:
+        if self.size is not None and self.shard is not None and self.size != self.replicate * self.shard:
+            raise ValueError(
+                f"parallel.data: size={self.size} is not replicate={self.replicate} x shard={self.shard}"
+                f" = {self.replicate * self.shard}; give two of the three"
+            )
+        return self
+
+
+def _only_known_keys(section: str, value: Any, fields: tuple[str, ...]) -> Any:
+    """Return ``value``; raise ValueError for a key of a mapping ``value`` that ``section`` does not
+    have (the message suggests the closest valid key)."""
+    if isinstance(value, Mapping):
+        for key in value:
+            if key not in fields:
+                raise ValueError(_unknown_key(section, key, fields))
+    return value
+
+
+class ParallelConfig(BaseModel):
+    """The ``parallel`` section: sizes of the tensor, pipeline, context and expert axes and the
+    rank order string. The data size is derived (``world / (tensor*pipeline*context)``); when
+    ``data`` is given it is checked against that at launch. ``data=dict(replicate=R, shard=S)``
+    splits the data axis for HSDP (:class:`DataConfig`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor: AxisConfig = AxisConfig()
+    pipeline: AxisConfig = AxisConfig()
+    context: AxisConfig = AxisConfig()
+    expert: ExpertConfig = ExpertConfig()
+    data: DataConfig = DataConfig()
+    order: StrictStr = DEFAULT_ORDER
+    # Megatron-core 0.19's generalized tensor parallelism (weights sharded over gtp_remat ranks
+    # of distinct data); the expert twin is expert.gtp_remat.
+    gtp_remat: AxisConfig = AxisConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        return _only_known_keys("parallel", value, tuple(cls.model_fields))
+
+    @field_validator("tensor", "pipeline", "context", "gtp_remat", mode="before")
+    @classmethod
+    def _int_or_dict(cls, value: Any, info: Any) -> Any:
+        return AxisConfig._coerce(value, info.field_name)
+
+    @field_validator("expert", mode="before")
+    @classmethod
+    def _expert_int_or_dict(cls, value: Any) -> Any:
+        return ExpertConfig._coerce(value, "expert")
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _data_int_or_dict(cls, value: Any) -> Any:
+        return DataConfig() if value is None else value
+
+    @field_validator("order")
+    @classmethod
+    def _valid_order(cls, value: str) -> str:
+        try:
+            parse_order(value)
+        except LayoutError as exc:
+            raise ValueError(str(exc)) from None
+        return value.lower().replace(" ", "")
+
+    @property
+    def expert_tensor(self) -> int:
+        """The expert-tensor size: ``expert.tensor``, else the tensor size."""
+        return self.expert.tensor or self.tensor.size
+
+    def to_layout(self, world_size: int) -> Layout:
+        """Return the :class:`~parallelctx.layout.Layout` of these sizes and order on a world of
+        ``world_size`` ranks: the one place the config's sizes become a layout.
+
+        Returns:
+            The validated Layout.
+
+        Raises:
+            LayoutError: the sizes do not fit ``world_size``, ``data`` (or ``data.shard``) is
+                given and differs from the derived size, or ``data.replicate`` does not divide
+                the data size; the message names the values and the fix.
+        """
+        data = self.data
+        layout = Layout(
+            world_size,
+            tensor=self.tensor.size,
+            pipeline=self.pipeline.size,
+            context=self.context.size,
+            expert=self.expert.size,
+            expert_tensor=self.expert.tensor,
+            order=self.order,
+            replicate=data.replicate,
+            gtp_remat=self.gtp_remat.size,
+            expert_gtp_remat=self.expert.gtp_remat,
+        )
+        if data.size is not None and data.size != layout.data:
+            raise LayoutError(
+                f"parallel.data={data.size} but world_size={world_size} / (tensor x pipeline x "
+                f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
+            )
+        if data.shard is not None and data.shard != layout.shard:
+            raise LayoutError(
+                f"parallel.data.shard={data.shard} but world_size={world_size} / (tensor x pipeline x "
+                f"context x replicate={data.replicate}) = {layout.shard}; drop shard (it is derived) "
+                "or fix the sizes"
+            )
+        return layout
+
+
+class HangReportConfig(BaseModel):
+    """``dist.hang_report``: report a collective that has waited longer than ``after`` seconds.
+
+    ``after`` takes seconds (int or float) or a :class:`datetime.timedelta`, in the range of
+    ``dist.timeout``; make it shorter than ``dist.timeout``, or torch raises first. ``log``
+    (default True) logs each report as a warning on the ``parallelctx`` logger; the handlers of
+    ``gpc.on_hang`` are called either way. See ``docs/reliability.md``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    after: timedelta
+    log: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        if not isinstance(value, (Mapping, HangReportConfig)):
+            raise ValueError(
+                f"dist.hang_report={value!r} is of type {type(value).__name__}; give a dict such as "
+                "dict(after=60) (report a collective that waits longer than 60 s), or leave it out"
+            )
+        return _only_known_keys("dist.hang_report", value, tuple(cls.model_fields))
+
+    @field_validator("after", mode="before")
+    @classmethod
+    def _seconds_or_timedelta(cls, value: Any) -> Any:
+        try:
+            return to_timedelta(value, "dist.hang_report.after")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
+
+class DistConfig(BaseModel):
+    """The ``dist`` section: backend, timeout of every wait, and how ranks meet.
+
+    ``timeout`` takes seconds (int or float) or a :class:`datetime.timedelta`, from 1 ms to 365
+    days. ``init_method`` is a torch URL (``tcp://host:port``, ``env://``, ``file:///path``),
+    checked in full by :func:`validate_init_method`; when ``None`` the launch functions build
+    ``tcp://host:port`` from their arguments.
+    ``gloo_lazy_init`` makes parallelctx's gloo subgroups connect on their first collective
+    (as NCCL does) instead of when they are made; a TORCH_GLOO_LAZY_INIT set by the user wins.
+    ``hang_report`` (``dict(after=SECONDS)``, off by default) names the ranks a hung collective
+    waits for (:class:`HangReportConfig`).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout: timedelta = DEFAULT_TIMEOUT
+    init_method: StrictStr | None = None
+    gloo_lazy_init: StrictBool = True
+    hang_report: HangReportConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        return _only_known_keys("dist", value, tuple(cls.model_fields))
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _seconds_or_timedelta(cls, value: Any) -> Any:
+        try:
+            return to_timedelta(value, "dist.timeout")
+        except TypeError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("init_method")
+    @classmethod
+    def _valid_url(cls, value: str | None) -> str | None:
+        return None if value is None else validate_init_method(value)
+
+
+class _Owned(BaseModel):
+    """The sections the library owns, validated together so errors carry the full key path."""
+
+    model_config = ConfigDict(frozen=True)
+
+    parallel: ParallelConfig = ParallelConfig()
+    dist: DistConfig = DistConfig()
+    seed: int = 1024
+
+    @field_validator("seed", mode="before")
+    @classmethod
+    def _seed_int(cls, value: Any) -> int:
+        return _strict_int(value, "seed", 0, MAX_SEED)
+
+
+def _path_text(root: str, link: tuple[Any, ...] | None) -> str:
+    """``config.model.layers[3]`` from a linked path ``(parent_link, key)``; long keys shortened."""
+    keys: list[Any] = []
+    while link is not None:
+        link, key = link
+        keys.append(key)
+    text = root
+    for key in reversed(keys):
+        if isinstance(key, int) and not isinstance(key, bool):
+            text += f"[{key}]"
+        elif isinstance(key, str) and key.isidentifier() and len(key) <= 40:
+            text += f".{key}"
+        else:
+            text += f"[{_shown(key, 40)}]"
+    return text if len(text) <= 120 else text[:57] + "..." + text[-60:]
+
+
+def _check_tree(data: Any, root: str = "config") -> None:
+    """Refuse a structure no config needs: nesting deeper than ``MAX_CONFIG_DEPTH``, more than
+    ``MAX_CONFIG_NODES`` values (shared ones counted each time they appear, as a YAML alias bomb
+    would expand), or a container that contains itself. Iterative and stopped at the limit, so it
+    costs at most ``MAX_CONFIG_NODES`` steps whatever the input.
+
+    Raises:
+        ConfigError: the message names the place (e.g. ``config.model.layers[3]``) and the limit.
+    """
+    containers = (Mapping, list, tuple, set, frozenset)
+    count = 0
+    on_path: set[int] = set()
+    # Frames (container, linked path, depth); an int frame (a container's id) marks the end of that
+    # container's subtree and takes it off the current path. Paths are linked tuples, built into
+    # text only for a message, so each step costs O(1).
+    stack: list[Any] = [(data, None, 0)]
+    while stack:
+        frame = stack.pop()
+        if isinstance(frame, int):
+            on_path.discard(frame)
+            continue
+        node, link, depth = frame
+        if id(node) in on_path:
+            raise ConfigError(
+                f"{_path_text(root, link)} contains itself (a self-referential dict or list); a config "
+                "must be a tree"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(
+                f"{_path_text(root, link)} is nested {depth} levels deep, more than the {MAX_CONFIG_DEPTH} "
+                "a config may have"
+            )
+        on_path.add(id(node))
+        stack.append(id(node))
+        items = node.items() if isinstance(node, Mapping) else enumerate(node)
+        for key, value in items:
+            count += 1
+            if count > MAX_CONFIG_NODES:
+                raise ConfigError(
+                    f"{root} holds more than {MAX_CONFIG_NODES} values (shared values, e.g. YAML aliases, "
+                    f"counted each time they appear; the limit was reached at "
+                    f"{_path_text(root, (link, key))}); a config this large is refused"
+                )
+            if isinstance(value, containers):
+                stack.append((value, (link, key), depth + 1))
+
+
+class Section(Mapping[str, Any]):
+    """A read-only config section with attribute and key access: ``s.lr`` and ``s["lr"]``.
+
+    Nested dicts become sections too; lists and other values are kept as given. A key named like
+    an attribute of the section (``items``, ``keys``, ``values``, ``get``, ``to_dict``...) is
+    refused: ``s.items`` would return the method, never the value.
+
+    Raises:
+        ConfigError: such a key; the message names it and says to rename it.
+    """
+
+    __slots__ = ("_data", "_path")
+
+    def __init__(self, data: Mapping[str, Any], path: str = "config") -> None:
+        for key in data:
+            if isinstance(key, str) and hasattr(type(self), key):
+                raise ConfigError(
+                    f"{path}: key {key!r} is the name of a config-section method or attribute, so "
+                    f"{path}.{key} would return that, not your value; rename the key (e.g. {key + '_'!r})"
+                )
+        self._data = {
+            key: Section(value, f"{path}.{key}") if isinstance(value, Mapping) else value
+            for key, value in data.items()
+        }
+        self._path = path
+
+    def _missing(self, key: str) -> str:
+        return f"{self._path} has no key {key!r}; keys: {', '.join(sorted(self._data)) or 'none'}"
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_data", "_path"):  # not set yet (mid-unpickling): no recursion
+            raise AttributeError(name)
+        try:
+            return self._data[name]
+        except KeyError:
+            raise AttributeError(self._missing(name)) from None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.to_dict(), self._path))
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return self._data[key]
+        except KeyError:
+            raise KeyError(self._missing(key)) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"Section({self.to_dict()!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the section as plain nested dicts."""
+        return {k: v.to_dict() if isinstance(v, Section) else v for k, v in self._data.items()}
+
+
+class Config(Section):
+    """The whole training config.
+
+    ``parallel``, ``dist`` and ``seed`` are validated pydantic models
+    (:class:`ParallelConfig`, :class:`DistConfig`, an int in ``[0, 2**32)``); every other
+    section is kept as given, readable as ``config.model.hidden_size`` or
+    ``config["model"]["hidden_size"]``.
+
+    Raises:
+        ConfigValidationError: a bad value in ``parallel``, ``dist`` or ``seed`` (also a pydantic
+            ``ValidationError``); the error names the key path and what would be valid.
+        ConfigError: a top-level name near an owned one (``paralel``, ``Seed``; see
+            :func:`near_miss_section`); ``data`` is not a mapping; it nests deeper than 64 levels, holds more than a
+            million values or contains itself (see :mod:`parallelctx.limits`); or a key is named
+            like a section method (``items``, ``keys``, ``values``, ``get``...).
+    """
+
+    __slots__ = ("dist", "parallel", "seed")
+
+    parallel: ParallelConfig
+    dist: DistConfig
+    seed: int
+
+    def __init__(self, data: Mapping[str, Any] | None = None) -> None:
+        data = {} if data is None else data
+        if isinstance(data, Config):
+            data = data.to_dict()
+        if not isinstance(data, Mapping):
+            raise ConfigError(
+                f"a config must be a mapping, a Config or a file path, not {type(data).__name__}"
+            )
+        _check_tree(data)
+        for key in data:
+            near = near_miss_section(key)
+            if near is not None and key == near.upper() and near in data:
+                continue  # a constant in capitals beside its section (SEED = 42; seed = SEED)
+            if near is not None:
+                constant = (
+                    f"; a constant in capitals is kept beside its section ({near} = {key})"
+                    if key == near.upper()
+                    else ""
+                )
+                raise ConfigError(
+                    f"config: top-level section {_shown(key)} is not read by parallelctx; did you mean "
+                    f"{near!r}? (names this close to parallel, dist or seed are refused, so that a typo "
+                    f"cannot run the job with the defaults; give a section of your own another name{constant})"
+                )
+        try:
+            owned = _Owned.model_validate({k: data[k] for k in OWNED_SECTIONS if k in data})
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        rest = {k: v for k, v in data.items() if k not in ("parallel", "dist", "seed")}
+        super().__init__(rest)
+        object.__setattr__(self, "parallel", owned.parallel)
+        object.__setattr__(self, "dist", owned.dist)
+        object.__setattr__(self, "seed", owned.seed)
+        self._data.update(parallel=owned.parallel, dist=owned.dist, seed=owned.seed)
+
+    def __getattr__(self, name: str) -> Any:  # slots cover the owned sections
+        return Section.__getattr__(self, name)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Config, (self.to_dict(),))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the config as plain nested dicts (owned sections dumped by pydantic)."""
+        out = {k: v for k, v in Section.to_dict(self).items() if k not in ("parallel", "dist", "seed")}
+        out["parallel"] = self.parallel.model_dump(exclude_none=True)
+        out["dist"] = self.dist.model_dump()
+        out["seed"] = self.seed
+        return out
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Config:
+        """Read a config file: ``.py``, ``.json``, ``.toml``, ``.yaml`` or ``.yml``.
+
+        In a ``.py`` file every top-level name that does not start with ``_`` and is not a
+        module, function or class becomes a key. The file's folder is importable while it runs;
+        modules it imports stay imported (so an enum it imports is the same object as the one
+        model code imports later). Data files must be UTF-8 and at most 16 MiB; YAML is read
+        with ``safe_load`` semantics.
+
+        Returns:
+            The validated :class:`Config`.
+
+        Raises:
+            ConfigError: the file does not exist, is a folder, cannot be read, is larger than
+                16 MiB, is not UTF-8, has an unsupported suffix, does not parse (the message has
+                the file and line), or holds a structure past the limits (too deep, too large,
+                self-referential); every message names the file.
+            ConfigValidationError: a bad value in an owned section (the message names the file).
+                A top-level section named like a misspelt owned one is a ConfigError.
+        """
+        path = Path(path)
+        data = read_config_file(path)
+        try:
+            return cls(data)
+        except ConfigValidationError as exc:
+            raise validation_error(exc, path) from None
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+
+
+ConfigLike = Config | Mapping[str, Any] | str | Path | None
+"""What every launch function accepts as its config: a Config, a dict, a file path, or None."""
+
+
+def load_config(config: ConfigLike) -> Config:
+    """Return a :class:`Config` from a Config, a dict, a file path, or None (all defaults).
+
+    Raises:
+        ConfigError: an unreadable file or an unsupported type.
+        ConfigValidationError: a bad value in an owned section (a pydantic ValidationError too).
+        ConfigError: also a section named like a misspelt owned one (``paralel``).
+    """
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, Path)):
+        return Config.from_file(config)
+    return Config(config)

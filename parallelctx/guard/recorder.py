@@ -1,0 +1,254 @@
+"""The dry run's recorder: what one simulated rank does, for its report.
+
+A :class:`DryRun` (``gpc.dry_run``) holds the rank's report: coordinates, groups and seeds at the
+end of launch, every ``torch.distributed.new_group`` call of the run (members, local
+synchronization, call site), the collectives called, and the values the script registers with
+:func:`parallelctx.dryrun.record`. :func:`install_recorders` wraps ``torch.distributed`` for it
+(:class:`~parallelctx.guard.patch.Patches`); the world it plays is
+:class:`~parallelctx.planning.simulation.Simulation`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from ..planning.simulation import Simulation
+from .patch import Patches
+
+__all__ = ["COLLECTIVES", "NOT_FORWARDED", "DryRun", "GroupCall", "install_recorders"]
+
+logger = logging.getLogger("parallelctx")
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "batch_isend_irecv",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "irecv",
+    "isend",
+    "monitored_barrier",
+    "recv",
+    "recv_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "send_object_list",
+)
+"""The ``torch.distributed`` collectives a dry run logs (once per kind) and counts."""
+
+NOT_FORWARDED = ("broadcast_object_list", "monitored_barrier", "recv_object_list", "scatter_object_list")
+"""Collectives a dry run does not hand to torch: on a receiving rank torch reads the objects'
+sizes from a tensor the fake backend leaves uninitialised and allocates that many bytes (tebibytes,
+or garbage to unpickle), and ``monitored_barrier`` refuses any backend but gloo. A dry run leaves
+their output list as it was (``recv_object_list`` returns ``src``)."""
+
+_THIS_FILE = os.path.normcase(os.path.abspath(__file__)).removesuffix("c")
+_PATCH_FILE = os.path.join(os.path.dirname(_THIS_FILE), "patch.py")
+
+
+@dataclass
+class GroupCall:
+    """One ``torch.distributed.new_group`` call of a dry run: members (None: the whole world),
+    whether it synchronised locally, its description, where it was called (``file:line``) and
+    how many process groups the process held before it (torch names a locally synchronised
+    group by its members and that number)."""
+
+    ranks: list[int] | None
+    local: bool
+    desc: str
+    where: str
+    held: int = -1
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the call as a JSON-ready dict."""
+        return {
+            "ranks": self.ranks,
+            "local": self.local,
+            "desc": self.desc,
+            "where": self.where,
+            "held": self.held,
+        }
+
+
+class DryRun:
+    """What a dry run of one rank records; its :meth:`report` is the rank's report."""
+
+    def __init__(self, sim: Simulation, config: Any = None, armed: bool = False) -> None:
+        self.sim = sim
+        #: The config the launch uses when the script passes none (``parallelctx dry-run --config``).
+        self.config = config
+        #: True when every launch of this process is this dry run (``parallelctx dry-run``), not
+        #: only a launch given ``simulate=``.
+        self.armed = armed
+        self.calls: list[GroupCall] = []
+        self.collectives: dict[str, int] = {}
+        self.values: dict[str, Any] = {}
+        self.same_across: dict[str, str] = {}
+        self.launched: dict[str, Any] = {}
+        self.launches = 0
+        self._patches = Patches()
+
+    @property
+    def recording(self) -> bool:
+        """True while ``torch.distributed`` is wrapped for this dry run (:meth:`start_recording`)."""
+        return bool(self._patches)
+
+    def start_recording(self) -> None:
+        """Wrap ``torch.distributed`` for this dry run (:func:`install_recorders`); a no-op when
+        it already is."""
+        if not self._patches:
+            install_recorders(self, self._patches)
+
+    def stop_recording(self) -> None:
+        """Restore ``torch.distributed``'s own functions; a no-op when not recording."""
+        self._patches.restore()
+
+    def note_launch(
+        self,
+        coords: Mapping[str, int],
+        groups: Mapping[str, list[int]],
+        seeds: Mapping[str, int],
+        seconds: float,
+        calls: int,
+        layout: str,
+        parallel: Mapping[str, Any],
+    ) -> None:
+        """Keep what a launch of ``seconds`` gave this rank: its coordinates (mode -> local
+        rank), groups (mode -> global ranks, the world's aside), seeds (stream -> seed), the
+        ``new_group`` calls it made, the layout's description and the config's parallel section;
+        a later launch in the same run replaces them. Returns None."""
+        self.launches += 1
+        self.launched = {
+            "coords": dict(coords),
+            "groups": dict(groups),
+            "seeds": dict(seeds),
+            "launch_s": seconds,
+            "launch_new_group_calls": calls,
+            "layout": layout,
+            "parallel": dict(parallel),
+        }
+
+    def report(self) -> dict[str, Any]:
+        """Return the rank's report as a JSON-ready dict: ``world_size``, ``rank``,
+        ``nproc_per_node``, ``coords`` {mode: local rank}, ``groups`` {mode: global ranks of its
+        group; the world left out}, ``seeds`` {stream: seed}, ``new_group_calls`` (every
+        ``new_group`` call of the run, gpc's included), ``launch_s``, ``values`` and
+        ``same_across`` (what :func:`record` registered), ``collectives`` {kind: calls},
+        ``new_groups`` (each call: ranks, local, desc, where) and ``launches``."""
+        return {
+            "world_size": self.sim.world_size,
+            "rank": self.sim.rank,
+            "nproc_per_node": self.sim.nproc_per_node,
+            "coords": {},
+            "groups": {},
+            "seeds": {},
+            "launch_s": None,
+            **self.launched,
+            "new_group_calls": len(self.calls),
+            "values": dict(self.values),
+            "same_across": dict(self.same_across),
+            "collectives": dict(self.collectives),
+            "new_groups": [c.to_json() for c in self.calls],
+            "launches": self.launches,
+        }
+
+
+def _call_site() -> str:
+    """``file:line`` of the nearest caller outside this module and torch.distributed."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        here = os.path.normcase(os.path.abspath(name))
+        if here not in (_THIS_FILE, _PATCH_FILE) and "torch/distributed" not in name:
+            return f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[], None]:
+    """Wrap ``torch.distributed.new_group`` (each call recorded in ``dry.calls``; a ``backend=``
+    it names is dropped, so every group is on the dry run's fake backend) and the
+    collectives of :data:`COLLECTIVES` (counted in ``dry.collectives``; the first of each kind
+    logs that a dry run's results are not real), in ``patches`` (a new one when None). Code that
+    looks the functions up on ``torch.distributed`` at call time (``dist.all_reduce``) is seen;
+    functional collectives (DTensor's) are not. The collectives of :data:`NOT_FORWARDED` are not
+    handed to torch at all.
+
+    Returns:
+        A function that restores the originals (``patches.restore``).
+    """
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    patches = Patches() if patches is None else patches
+
+    def recording_new_group(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        def new_group(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return original(*args, **kwargs)  # torch's own error for a bad call
+            given = bound.arguments
+            ranks = given.get("ranks")
+            members = None if ranks is None else sorted(int(r) for r in ranks)
+            local = bool(given.get("use_local_synchronization", False))
+            desc = str(given.get("group_desc") or "")
+            names = getattr(getattr(c10d, "_world", None), "pg_names", None)
+            held = len(names) if names is not None else -1
+            dry.calls.append(GroupCall(members, local, desc, _call_site(), held))
+            if given.get("backend") is not None:  # a gloo or nccl group: on the fake backend too
+                given["backend"] = None
+                given.pop("pg_options", None)
+            return original(*bound.args, **bound.kwargs)
+
+        return new_group
+
+    def counting(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def collective(*args: Any, **kwargs: Any) -> Any:
+                seen = dry.collectives.get(kind, 0)
+                dry.collectives[kind] = seen + 1
+                if not seen:
+                    logger.warning(
+                        "parallelctx dry run: torch.distributed.%s does no communication on the fake "
+                        "backend; its results are not real (shapes, groups and seeds are; values are not)",
+                        kind,
+                    )
+                if kind in NOT_FORWARDED:
+                    return (
+                        kwargs.get("src", args[1] if len(args) > 1 else None)
+                        if kind == "recv_object_list"
+                        else None
+                    )
+                return fn(*args, **kwargs)
+
+            collective.__name__ = kind
+            return collective
+
+        return wrap
+
+    patches.replace(dist, "new_group", recording_new_group)
+    for kind in COLLECTIVES:
+        if getattr(dist, kind, None) is not None:
+            patches.replace(dist, kind, counting(kind))
+    return patches.restore

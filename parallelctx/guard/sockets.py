@@ -1,0 +1,193 @@
+"""Each gloo group's event loop in this process, found once when the group is made.
+
+A gloo process group runs one event loop per group (gloo's TCP device): an ``epoll`` descriptor
+on which gloo registers the group's listener and every connection of the group as it is made,
+eager or lazy. Knowing that descriptor is knowing the group's sockets: ``/proc/self/fdinfo/<epoll>``
+lists each registered descriptor with its inode, so :meth:`GlooLoop.shut_down` reaches exactly the
+group's connections, however many other descriptors the process holds (sharded datasets,
+IPC handles), without scanning them.
+
+The loop is found without a scan too. The kernel gives every new descriptor the lowest free
+number, so the descriptors a group's creation opens (gloo's pipe, its epoll, its listener) land
+in the lowest numbers that were free just before: :meth:`FdSlots.reserve` reads them (one
+``open`` and a few ``dup``), :meth:`FdSlots.gloo_loop` looks at those numbers only, after the group
+is made. A descriptor another thread opens meanwhile takes one of the slots and shifts gloo's by
+one: :data:`SLOTS` leaves room for many.
+
+Linux only (``/proc``); elsewhere no loop is found and abort falls back to ``ProcessGroup.abort``.
+Imports nothing from parallelctx.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import stat
+from collections.abc import Collection
+from dataclasses import dataclass
+
+__all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "endpoint_of", "shut_down_fd"]
+
+Endpoint = tuple[str, int]
+"""A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port)."""
+
+SLOTS = 32
+"""Free descriptor numbers read before each group is made: gloo opens its loop's 4 descriptors
+first, so up to 28 opened meanwhile by other threads still leave them among the slots."""
+
+_EPOLL = "anon_inode:[eventpoll]"
+_TFD = re.compile(r"^tfd:\s*(\d+)\s.*?\sino:([0-9a-f]+)", re.MULTILINE)
+
+
+def _proc_hex(family: int, address: str) -> str:
+    """``address`` written as /proc/net/tcp[6] writes it (each 32-bit word in host order)."""
+    packed = socket.inet_pton(family, address)
+    return "".join(packed[i : i + 4][::-1].hex() for i in range(0, len(packed), 4)).upper()
+
+
+def endpoint_of(fd: int, inode: int) -> Endpoint | None:
+    """Return the local endpoint of descriptor ``fd`` if it is a listening TCP socket with inode
+    ``inode`` (checked on a duplicate, so a number reused meanwhile is not mistaken), else None.
+    Never raises."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(copy)
+        if info.st_ino != inode or not stat.S_ISSOCK(info.st_mode):
+            return None
+        with socket.socket(fileno=copy) as sock:
+            copy = -1  # the socket object owns (and closes) the duplicate now
+            if (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            ):
+                address, port = sock.getsockname()[:2]
+                return _proc_hex(sock.family, address.split("%")[0]), int(port)
+            return None
+    except (OSError, ValueError):
+        return None
+    finally:
+        if copy >= 0:
+            os.close(copy)
+
+
+def shut_down_fd(fd: int, inode: int) -> bool:
+    """Shut down (``SHUT_RDWR``, without closing the descriptor, which stays its owner's) the
+    socket at ``fd`` if its inode is still ``inode``; returns whether it was. Never raises."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return False  # closed meanwhile
+    try:
+        info = os.fstat(copy)
+        if info.st_ino != inode or not stat.S_ISSOCK(info.st_mode):
+            return False  # the number was reused for another file
+        with socket.socket(fileno=copy) as sock:
+            copy = -1
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
+    except OSError:
+        return False
+    finally:
+        if copy >= 0:
+            os.close(copy)
+
+
+def _registered(epoll: int) -> list[tuple[int, int]]:
+    """(descriptor, inode) of everything registered on the epoll descriptor ``epoll``."""
+    try:
+        with open(f"/proc/self/fdinfo/{epoll}") as info:
+            text = info.read()
+    except OSError:
+        return []
+    return [(int(fd), int(ino, 16)) for fd, ino in _TFD.findall(text)]
+
+
+@dataclass(frozen=True)
+class GlooLoop:
+    """A gloo group's event loop in this process: the number of its ``epoll`` descriptor, and
+    its listener (descriptor, inode, endpoint), where the group's peers connect."""
+
+    epoll: int
+    listener_fd: int
+    listener_inode: int
+    listener: Endpoint
+
+    @classmethod
+    def at(cls, fd: int, known: Collection[int] = ()) -> GlooLoop | None:
+        """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers a
+        listening TCP socket whose inode is not in ``known`` (the listeners of loops found
+        before); else None. A TCPStore server's libuv loop looks the same: reserve the slots
+        after the launch's store exists. Never raises."""
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
+                return None
+        except OSError:
+            return None
+        for tfd, inode in sorted(_registered(fd)):  # the listener precedes the group's connections
+            if inode in known:
+                return None
+            endpoint = endpoint_of(tfd, inode)
+            if endpoint is not None:
+                return cls(fd, tfd, inode, endpoint)
+        return None
+
+    def alive(self) -> bool:
+        """True while the loop is still there: its epoll descriptor still registers this
+        listener (after the group is destroyed the number may be reused)."""
+        return (self.listener_fd, self.listener_inode) in _registered(self.epoll)
+
+    def connections(self) -> list[tuple[int, int]]:
+        """(descriptor, inode) of every connection registered on the loop now (the listener and
+        gloo's wake-up pipe left out; :func:`shut_down_fd` skips what is no socket)."""
+        return [(fd, ino) for fd, ino in _registered(self.epoll) if ino != self.listener_inode]
+
+    def shut_down(self) -> int:
+        """Shut down every connection of the group in this process; a collective waiting on one
+        raises at once, and so does the peer's on the other end.
+
+        Returns:
+            The number of connections shut down. Never raises.
+        """
+        return sum(shut_down_fd(fd, inode) for fd, inode in self.connections())
+
+
+@dataclass(frozen=True)
+class FdSlots:
+    """The lowest free descriptor numbers of this process when :meth:`reserve` ran."""
+
+    numbers: tuple[int, ...]
+
+    @classmethod
+    def reserve(cls, count: int = SLOTS) -> FdSlots:
+        """Read the ``count`` lowest free descriptor numbers (each taken and given back at once).
+
+        Returns:
+            The slots; empty where ``/dev/null`` cannot be opened. Never raises.
+        """
+        taken: list[int] = []
+        try:
+            taken.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            for _ in range(count - 1):
+                taken.append(os.dup(taken[0]))
+        except OSError:
+            pass
+        finally:
+            for fd in taken:
+                os.close(fd)
+        return cls(tuple(taken))
+
+    def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
+        """Return the gloo loop a group made since :meth:`reserve` opened in these slots (see
+        :meth:`GlooLoop.at`; ``known``: listener inodes of loops found before), or None (not a
+        gloo group, not Linux, or more than ``SLOTS - 4`` descriptors opened meanwhile by other
+        threads). Never raises."""
+        for fd in self.numbers:
+            loop = GlooLoop.at(fd, known)
+            if loop is not None:
+                return loop
+        return None

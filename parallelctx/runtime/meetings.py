@@ -1,0 +1,260 @@
+"""Where the ranks of a launch meet: the rendezvous store of each address (kept across
+``destroy()``), the refusal a rank that failed its own checks posts there, and the default group
+made (or adopted) after the one exchange of the launch.
+
+:class:`Meetings` is the part of a process's launches that outlives ``destroy()``: the stores by
+URL (rank 0 serves a ``tcp://`` one and keeps it), the names of the groups made on a default group
+that parallelctx adopted (torch names those by count: :meth:`GroupMaker.claim
+<parallelctx.runtime.groups.GroupMaker>`), and the refusal still being told. Every launch meets
+under a key prefix all ranks agree no earlier launch on the store used
+(:func:`parallelctx.rendezvous.agree_launch`), so a relaunch works also when some processes are new
+(a torchrun restart, a replaced rank). :func:`init_default_group` is the real meeting; the dry
+run's is :func:`parallelctx.runtime.simulate.meet`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..config.args import LaunchArgs
+from ..guard.abort import AbortableStore
+from ..guard.core import Guard
+from ..guard.sockets import FdSlots
+from .rendezvous import Arrival, agree_launch, connect_store, exchange, rank_list
+
+__all__ = ["REFUSAL_GRACE_S", "DefaultGroup", "Meetings", "init_default_group", "url_of"]
+
+logger = logging.getLogger("parallelctx")
+
+REFUSAL_GRACE_S = 15.0
+"""How long (at most; never longer than ``dist.timeout``) a rank whose own checks failed keeps
+telling the other ranks so, in the background, after it has raised its error: a relaunch in the
+same process and the process's exit wait for that, never the error itself."""
+
+
+@dataclass(frozen=True)
+class DefaultGroup:
+    """What a meeting made or adopted: the backend, whether parallelctx owns (and so destroys)
+    the default group, the timeout, every rank's host name when the meeting gathered them (empty
+    otherwise), and the launch's store under its agreed prefix (None for a world of one and a
+    dry run)."""
+
+    backend: str
+    owned: bool
+    timeout: timedelta
+    hostnames: Sequence[str]
+    store: Any = None
+
+
+class Meetings:
+    """The stores, adopted group names and refusal of this process's launches, kept across
+    ``destroy()`` (see the module docstring). ``aborted`` is the guard's flag: a launch's store
+    refuses every call once it is set."""
+
+    def __init__(self, aborted: threading.Event) -> None:
+        self.aborted = aborted
+        self._stores: dict[tuple[str, int, int], Any] = {}
+        self._adopted: tuple[Any, set[tuple[Any, int]]] = (None, set())
+        self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
+        self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
+        self._refusal: threading.Thread | None = None
+        self._exit_hook = False
+
+    def announce_refusal(self, args: LaunchArgs, timeout: timedelta, arrival: Arrival) -> None:
+        """Tell the other ranks, in a background thread, that this rank refused to launch
+        (``arrival.error``), so that they stop at once instead of waiting for it; returns at
+        once. The telling lasts at most ``min(timeout, REFUSAL_GRACE_S)``; the next launch in
+        this process and the process's exit wait for it (within that bound)."""
+        self.settle()
+        if args.world_size == 1 or dist.is_initialized():
+            return
+        grace = timedelta(seconds=min(timeout.total_seconds(), REFUSAL_GRACE_S))
+        self._refusal = threading.Thread(
+            target=self._tell_refusal,
+            args=(args, timeout, time.monotonic() + grace.total_seconds(), arrival),
+            name="parallelctx-refusal",
+            daemon=True,
+        )
+        self._refusal.start()
+        if not self._exit_hook:
+            atexit.register(self._settle_at_exit)
+            self._exit_hook = True
+
+    def _tell_refusal(self, args: LaunchArgs, timeout: timedelta, deadline: float, arrival: Arrival) -> None:
+        """Post this rank's failed checks at the rendezvous by ``deadline``; a rendezvous that
+        fails too is only logged (the caller has raised the cause)."""
+        url = url_of(args)
+        begin = time.monotonic()
+        try:
+            store = self.store(url, args.rank, args.world_size, timeout, deadline)
+            exchange(store, arrival, args.world_size, timeout, shown(url), deadline)
+        except Exception as exc:
+            ranks = getattr(exc, "ranks", ())
+            if ranks:
+                why = f"rank{'s' if len(ranks) > 1 else ''} {rank_list(ranks)} did not come to {shown(url)}"
+            else:
+                why = str(exc).split(";", 1)[0]
+            logger.warning(
+                "parallelctx: rank %d refused to launch and could not tell the other ranks within %.0f s "
+                "(%s); they stop at their own dist.timeout, or when the launcher stops them",
+                args.rank,
+                time.monotonic() - begin,
+                why,
+            )
+
+    def settle(self) -> None:
+        """Wait until this process's last refusal has been told (bounded: see
+        :meth:`announce_refusal`); returns None."""
+        thread, self._refusal = self._refusal, None
+        if thread is not None:
+            thread.join(REFUSAL_GRACE_S + 5.0)
+
+    def _settle_at_exit(self) -> None:
+        thread = self._refusal
+        if thread is not None:
+            thread.join(3.0)  # told at once when the other ranks are there: no note
+        if thread is None or not thread.is_alive():
+            return
+        if sys.stderr is not None and sys.stderr.isatty():  # for a person waiting at a terminal
+            sys.stderr.write(
+                f"parallelctx: telling the other ranks that this rank refused to launch (at most "
+                f"{REFUSAL_GRACE_S:g} s; Ctrl-C skips)\n"
+            )
+        try:
+            self.settle()
+        except KeyboardInterrupt:
+            pass
+
+    def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
+        """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
+        interruptible wait, then kept) under the prefix the ranks agreed is new.
+
+        Raises:
+            RendezvousError: the store did not answer before ``deadline``, its port is taken, or
+                a rank did not take part in the agreement in time.
+        """
+        key = (url, rank, world_size)
+        base = self._stores.get(key)
+        if base is None:
+            base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
+            self._stores[key] = base
+        base.set_timeout(timeout)
+        kv = self._kv = AbortableStore(base, self.aborted)
+        prefix = agree_launch(kv, rank, world_size, timeout, shown(url), deadline)
+        meeting = dist.PrefixStore(prefix, kv)
+        self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
+        return meeting
+
+    def plain(self, store: Any) -> Any:
+        """Return the store torch's groups get for ``store`` (from :meth:`store`): the same keys
+        without the refusal after ``gpc.abort()``, so that torch's own threads never call into
+        Python. Any other store is returned as it is."""
+        return self._plain.get(id(store), store)
+
+    def adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
+        """Return the adopted default group's store under the prefix the ranks agreed is new.
+
+        Raises:
+            RendezvousError: a rank did not take part in the agreement in time.
+        """
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        kv = self._kv = AbortableStore(_get_default_store(), self.aborted)
+        prefix = agree_launch(kv, rank, world_size, timeout, "the default group's store", deadline)
+        return dist.PrefixStore(prefix, kv)
+
+    def adopted_names(self) -> set[tuple[Any, int]]:
+        """Return the set of group names already used on the current adopted default group
+        (a new, empty set when the default group changed)."""
+        if self._adopted[0] is not dist.group.WORLD:
+            self._adopted = (dist.group.WORLD, set())
+        return self._adopted[1]
+
+
+def url_of(args: LaunchArgs) -> str:
+    """The rendezvous URL of ``args``: its ``init_method``, else ``tcp://host:port`` (IPv6 hosts
+    bracketed)."""
+    if args.init_method is not None:
+        return args.init_method
+    host = args.host
+    if host and ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{args.port}"
+
+
+def shown(url: str) -> str:
+    """``host:port`` for a ``tcp://`` URL, the URL otherwise."""
+    return url[len("tcp://") :] if url.startswith("tcp://") else url
+
+
+def init_default_group(
+    meetings: Meetings,
+    guard: Guard,
+    args: LaunchArgs,
+    backend: str,
+    timeout: timedelta,
+    arrival: Arrival | None,
+) -> DefaultGroup:
+    """Meet every rank of ``args`` (checked: :func:`parallelctx.config.args.validate_launch_args`)
+    in one exchange of ``arrival`` on this launch's store, then make the default group on
+    ``backend`` (resolved: ``"gloo"`` or ``"nccl"``), held by ``guard`` as soon as it exists;
+    or adopt an initialised one with the same rank and world size.
+
+    The store of a URL is kept across ``destroy()`` by ``meetings`` (under torchrun it is the
+    launcher's own store, which outlives restarts) and every launch first agrees with every rank
+    on a key prefix no earlier launch on that store used, ``parallelctx/launch-<n>/``; the
+    exchange, the default group and every group made from it keep their keys under it. In the
+    one round trip (:func:`parallelctx.rendezvous.exchange`) each rank posts ``arrival`` and
+    reads the others'; a rank that does not arrive within ``timeout`` is named, and so are ranks
+    that disagree. The host names serve the count of processes per node.
+
+    Returns:
+        A :class:`DefaultGroup`.
+
+    Raises:
+        RuntimeError: torch.distributed is initialised with another rank or world size.
+        RendezvousError: a rank did not arrive within ``timeout``, the store did not answer or
+            its port is taken, or the ranks disagree.
+    """
+    rank, world_size = args.rank, args.world_size
+    deadline = time.monotonic() + timeout.total_seconds()
+    hostnames: tuple[str, ...] = ()
+    if dist.is_initialized():
+        if dist.get_rank() != rank or dist.get_world_size() != world_size:
+            raise RuntimeError(
+                f"torch.distributed is already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}; call "
+                "torch.distributed.destroy_process_group() or launch with matching values"
+            )
+        kv = None
+        if arrival is not None and world_size > 1:
+            kv = meetings.adopted_store(rank, world_size, timeout, deadline)
+            arrivals = exchange(kv, arrival, world_size, timeout, "the default group's store", deadline)
+            hostnames = tuple(a.host for a in arrivals)
+        return DefaultGroup(dist.get_backend(), False, timeout, hostnames, kv)
+    if world_size == 1 and args.init_method is None:
+        store: Any = dist.HashStore()
+        hostnames = (arrival.host,) if arrival is not None else ()
+    else:
+        url = url_of(args)
+        store = meetings.store(url, rank, world_size, timeout, deadline)
+        if arrival is not None:
+            hostnames = tuple(
+                a.host for a in exchange(store, arrival, world_size, timeout, shown(url), deadline)
+            )
+    slots = FdSlots.reserve()  # after the store: its server's loop is no group's
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
+    )
+    guard.hold(dist.group.WORLD, slots)
+    return DefaultGroup(backend, True, timeout, hostnames, None if world_size == 1 else store)
