@@ -274,6 +274,10 @@ class HangWatch:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            # the groups and the abort closure go now, not at the next garbage collection
+            self._slots.clear()
+            self._aborter = None
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:

@@ -236,6 +236,28 @@ class ModeViews:
     expert_gtp_remat: ModeView
 
 
+class _Why:
+    """Why a query found no answer (see :meth:`Answers.miss`). It holds the views, never the
+    tables that call it, so no reference cycle keeps an old launch's groups alive after
+    ``destroy()`` (a process group closes its sockets only when the last reference goes)."""
+
+    def __init__(self) -> None:
+        self.views: dict[ParallelMode, ModeView] = {}
+        self.rank = -1
+        self.layout: Layout | None = None
+
+    def __call__(self, mode: Any, what: str) -> Exception:
+        if not self.views and self.layout is None:
+            return not_launched(what)
+        parsed = ParallelMode.parse(mode)  # raises for an unknown mode
+        if self.layout is not None and parsed not in self.views and self.views:
+            return NotLaunchedError(
+                f"global rank {self.rank} belongs to no {parsed.value} group "
+                f"(only the first and last of {self.layout.pipeline} pipeline stages do)"
+            )
+        return not_launched(what)
+
+
 class Answers:
     """What a context answers its per-mode queries from: one :class:`ModeTable` per query
     (local rank, size, group, CPU group) and the views, filled at once by :meth:`fill`.
@@ -245,13 +267,12 @@ class Answers:
     or raises what :meth:`miss` says."""
 
     def __init__(self) -> None:
-        self.local_ranks = ModeTable(lambda m: self.miss(m, "get_local_rank()"))
-        self.world_sizes = ModeTable(lambda m: self.miss(m, "get_world_size()"))
-        self.groups = ModeTable(lambda m: self.miss(m, "get_group()"))
-        self.cpu_groups = ModeTable(lambda m: self.miss(m, "get_cpu_group()"))
-        self.views: dict[ParallelMode, ModeView] = {}
-        self.rank = -1
-        self.layout: Layout | None = None
+        why = self._why = _Why()
+        self.local_ranks = ModeTable(lambda m: why(m, "get_local_rank()"))
+        self.world_sizes = ModeTable(lambda m: why(m, "get_world_size()"))
+        self.groups = ModeTable(lambda m: why(m, "get_group()"))
+        self.cpu_groups = ModeTable(lambda m: why(m, "get_cpu_group()"))
+        self.views = why.views
         local_ranks, world_sizes, groups, cpu_groups = (
             self.local_ranks,
             self.world_sizes,
@@ -286,7 +307,7 @@ class Answers:
         every earlier answer; returns None."""
         for table in (self.local_ranks, self.world_sizes, self.groups, self.cpu_groups, self.views):
             table.clear()
-        self.rank, self.layout = rank, layout
+        self._why.rank, self._why.layout = rank, layout
         if rank >= 0:
             self.local_ranks[ParallelMode.GLOBAL] = rank
             self.world_sizes[ParallelMode.GLOBAL] = world_size
@@ -305,15 +326,7 @@ class Answers:
         Raises:
             LayoutError: ``mode`` names no mode.
         """
-        if not self.views and self.layout is None:
-            return not_launched(what)
-        parsed = ParallelMode.parse(mode)  # raises for an unknown mode
-        if self.layout is not None and parsed not in self.views and self.views:
-            return NotLaunchedError(
-                f"global rank {self.rank} belongs to no {parsed.value} group "
-                f"(only the first and last of {self.layout.pipeline} pipeline stages do)"
-            )
-        return not_launched(what)
+        return self._why(mode, what)
 
     def view(self, mode: ParallelMode | str, what: str) -> ModeView:
         """Return this rank's view of ``mode`` (any name of it).
