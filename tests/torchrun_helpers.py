@@ -22,13 +22,20 @@ def run_torchrun(nproc: int, argv: list[str], timeout: float) -> subprocess.Comp
     Raises:
         subprocess.TimeoutExpired: it ran past ``timeout`` seconds.
     """
+    return run_torchrun_env(nproc, argv, {}, timeout)
+
+
+def run_torchrun_env(
+    nproc: int, argv: list[str], env: dict[str, str], timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    """:func:`run_torchrun` with ``env`` added to the environment."""
     return subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc), *argv],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
         check=False,
     )
 

@@ -123,6 +123,7 @@ def _build(layout: Layout, opts: Options) -> tuple[Installed, dict[str, Any]]:
     state = Installed(gpc.group_maker())
     try:
         extra = extra_groups(layout, gpc.get_global_rank(), state.maker, opts)
+        state.maker.settle("megatron")  # groups that connected as made: every rank done first
         return state, values(layout, extra, opts)
     except BaseException:
         state.maker.destroy(state.created)

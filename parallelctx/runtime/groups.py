@@ -51,6 +51,7 @@ __all__ = [
     "GroupMaker",
     "ModeGroup",
     "compact",
+    "connects_at_creation",
     "create_groups",
     "creation_order",
     "lazy_gloo",
@@ -132,6 +133,14 @@ def lazy_gloo(enabled: bool) -> Iterator[None]:
         os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 
+def connects_at_creation(backend: str | None) -> bool:
+    """True when a group made now on ``backend`` (None: the default group's) connects all its
+    pairs as it is made: gloo without ``TORCH_GLOO_LAZY_INIT`` in effect."""
+    name = backend if backend is not None else (str(dist.get_backend()) if dist.is_initialized() else "")
+    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "true", "yes", "on")
+    return name == "gloo" and not lazy
+
+
 class GroupMaker:
     """Makes this rank's process groups for one launch, and is the one way parallelctx makes a
     group: gpc's modes (:func:`create_groups`) and the groups a bridge adds (the Megatron
@@ -143,7 +152,9 @@ class GroupMaker:
     it is claimed first (:meth:`claim`); held by ``guard`` as soon as it exists, with the free
     descriptor slots read just before it was made, so that ``gpc.abort()`` from another thread
     reaches it at once. ``calls`` counts the ``new_group`` calls; ``made`` lists what the guard
-    holds of them.
+    holds of them. ``settle(tag)``, when given, waits until every rank has come to the same
+    point (:func:`parallelctx.rendezvous.settle`): :meth:`settle` calls it after groups that
+    connected as they were made.
     """
 
     def __init__(
@@ -153,8 +164,11 @@ class GroupMaker:
         lazy: bool = True,
         used_names: set[tuple[Sequence[int], int]] | None = None,
         world_size: int | None = None,
+        settle: Callable[[str], None] | None = None,
     ) -> None:
         self.guard = guard
+        self._settle = settle
+        self.eager = False  # a group made since the last settle connected as it was made
         self.timeout = timeout
         self.lazy = lazy
         self.used = set() if used_names is None else used_names
@@ -206,6 +220,7 @@ class GroupMaker:
             self.claim(ranks)
         slots = FdSlots.reserve()
         with lazy_gloo(self.lazy):
+            self.eager = self.eager or connects_at_creation(backend)
             group = dist.new_group(
                 None if ranks is None else list(ranks),
                 timeout=self.timeout,
@@ -218,6 +233,18 @@ class GroupMaker:
         if held is not None:
             self.made.append(held)
         return group
+
+    def settle(self, tag: str) -> None:
+        """When a group made since the last settle connected as it was made, wait until every
+        rank has come here too (``tag``, the same on every rank), so that no rank goes on and
+        tears a group down while a peer still connects to it; else return at once. Returns None.
+
+        Raises:
+            RendezvousError: a rank did not come within the timeout (named).
+        """
+        if self.eager and self._settle is not None:
+            self._settle(tag)
+        self.eager = False
 
     def make(
         self,

@@ -39,6 +39,7 @@ __all__ = [
     "disagreement",
     "exchange",
     "rank_list",
+    "settle",
 ]
 
 # Longest sleep between two polls of the store: Ctrl-C and SIGTERM are acted on within this.
@@ -386,9 +387,9 @@ def _unanswered(store: Any, prefix: str, world_size: int) -> list[int] | None:
 
 
 # ---------------------------------------------------------------------------- the exchange
-def _missing(store: Any, world_size: int) -> list[int] | None:
+def _missing(store: Any, world_size: int, posted: str = "arrive/") -> list[int] | None:
     try:
-        return [r for r in range(world_size) if not store.check([f"arrive/{r}"])]
+        return [r for r in range(world_size) if not store.check([f"{posted}{r}"])]
     except Exception:
         return None
 
@@ -431,37 +432,25 @@ def exchange(
         if rank == 0:
             _linger(store, world_size, deadline, awaited)
         return [arrival]
-    pauses, named = _pauses(world_size), time.monotonic() + 0.05
     with _waiting(lambda: awaited):
-        while True:
-            try:
-                if store.add("arrived", 0) >= world_size:
-                    break
-                if store.check(["abort"]):
-                    bad = int(store.get("abort"))
-                    theirs: Arrival = pickle.loads(store.get(f"arrive/{bad}"))
-                    store.add("read", 1)
-                    if rank == 0:
-                        _linger(store, world_size, deadline, awaited)
-                    raise RendezvousError(
-                        f"launch refused on every rank: rank {bad} (host {theirs.host}) refused to "
-                        f"launch, so every rank stops: {theirs.error}",
-                        (bad,),
-                        where,
-                    )
-            except RendezvousError:
-                raise
-            except Exception as exc:
-                raise _lost(rank, where, exc) from None
-            now = time.monotonic()
-            if now >= deadline:
-                raise _not_arrived(_missing(store, world_size), world_size, seconds, where)
-            if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
-                named = now + _SLICE_S
-                missing = _missing(store, world_size)
-                if missing:
-                    _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
-            time.sleep(min(next(pauses), max(deadline - now, 0.0)))
+
+        def refused() -> None:
+            if store.check(["abort"]):
+                bad = int(store.get("abort"))
+                theirs: Arrival = pickle.loads(store.get(f"arrive/{bad}"))
+                store.add("read", 1)
+                if rank == 0:
+                    _linger(store, world_size, deadline, awaited)
+                raise RendezvousError(
+                    f"launch refused on every rank: rank {bad} (host {theirs.host}) refused to "
+                    f"launch, so every rank stops: {theirs.error}",
+                    (bad,),
+                    where,
+                )
+
+        _await_count(
+            store, "arrived", world_size, world_size, "arrive/", rank, seconds, deadline, where, refused
+        )
         try:
             keys = [f"arrive/{r}" for r in range(world_size)]
             arrivals = [pickle.loads(value) for value in store.multi_get(keys)]
@@ -480,6 +469,82 @@ def exchange(
             culprits = [a.rank for a in failed] or _odd_ranks(arrivals)
             raise RendezvousError(f"launch refused on every rank: {problem}", culprits, where)
     return arrivals
+
+
+def _await_count(
+    store: Any,
+    counter: str,
+    target: int,
+    world_size: int,
+    posted: str,
+    rank: int,
+    seconds: float,
+    deadline: float,
+    where: str,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Poll ``counter`` on ``store``, in short slices, until it reaches ``target``; the ranks whose
+    ``<posted><rank>`` key is missing (of ``world_size``) are named (for SIGTERM's message, and
+    in the error).
+
+    Raises:
+        RendezvousError: ``deadline`` passed (the missing ranks named), what ``check`` raises, or
+            the store went away.
+    """
+    pauses, named = _pauses(world_size), time.monotonic() + 0.05
+    while True:
+        try:
+            if store.add(counter, 0) >= target:
+                return
+            if check is not None:
+                check()
+        except RendezvousError:
+            raise
+        except Exception as exc:
+            raise _lost(rank, where, exc) from None
+        now = time.monotonic()
+        if now >= deadline:
+            raise _not_arrived(_missing(store, world_size, posted), world_size, seconds, where)
+        if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
+            named = now + _SLICE_S
+            missing = _missing(store, world_size, posted)
+            if missing:
+                _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
+        time.sleep(min(next(pauses), max(deadline - now, 0.0)))
+
+
+def settle(
+    store: Any,
+    tag: str,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    where: str,
+    deadline: float | None = None,
+) -> None:
+    """Wait, in short slices, until every rank of ``world_size`` has come here (tag ``tag``, the
+    same on every rank; it may be settled again later): the barrier after groups that connect at
+    creation, so that no rank goes on, and perhaps tears a group down, while a peer is still
+    connecting to it (gloo then fails that peer with "Connection closed by peer").
+
+    Raises:
+        RendezvousError: a rank did not come by ``deadline`` (default now + ``timeout``; named),
+            or the store went away.
+        KeyboardInterrupt: Ctrl-C while waiting (with a note naming the awaited ranks).
+    """
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds if deadline is None else deadline
+    try:
+        count = store.add(f"settle/{tag}", 1)
+        turn = (count - 1) // world_size  # which settling of this tag this is
+        store.set(f"settle/{tag}/{turn}/{rank}", b"1")
+    except Exception as exc:
+        raise _lost(rank, where, exc) from None
+    awaited = f"the other ranks of {world_size} to finish making their groups at {where}"
+    with _waiting(lambda: awaited):
+        target = (turn + 1) * world_size
+        posted = f"settle/{tag}/{turn}/"
+        _await_count(store, f"settle/{tag}", target, world_size, posted, rank, seconds, deadline, where)
 
 
 def _not_arrived(

@@ -16,6 +16,7 @@ start-up made is destroyed before the error leaves. Nothing here reads or writes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import socket
 import sys
@@ -35,6 +36,7 @@ from ..guard.core import Guard, Held
 from ..guard.recorder import DryRun
 from ..planning.layout import Layout, LayoutError, ParallelMode
 from ..planning.simulation import parse_simulate
+from . import rendezvous
 from .groups import GroupMaker, ModeGroup, create_groups
 from .meetings import DefaultGroup, Meetings, init_default_group
 from .mesh import build_device_mesh
@@ -158,7 +160,18 @@ class Launched:
         ``dist.gloo_lazy_init``, name claims on an adopted default group, held by ``guard``."""
         used = None if self.owns_default_group or meetings is None else meetings.adopted_names()
         lazy = self.config.dist.gloo_lazy_init if self.config is not None else True
-        return GroupMaker(guard, self.timeout or DEFAULT_TIMEOUT, lazy, used, self.world_size)
+        wait = self.timeout or DEFAULT_TIMEOUT
+        settle = None
+        if self.store is not None and self.world_size > 1:
+            settle = functools.partial(
+                rendezvous.settle,
+                self.store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=wait,
+                where="the launch's store",
+            )
+        return GroupMaker(guard, wait, lazy, used, self.world_size, settle)
 
     def with_groups(self, maker: GroupMaker, layout: Layout | None = None) -> Launched:
         """Return this value with this rank's groups, made by ``maker`` for ``layout`` (default:
@@ -390,10 +403,14 @@ def start(
         check_init_method_env(args.init_method)
         backend = resolve_backend(args.backend or cfg.dist.backend)
         arrival = Arrival(args.rank, socket.gethostname(), values)
-        default = init_default_group(meetings, guard, args, backend, wait, arrival)
+        lazy = cfg.dist.gloo_lazy_init
+        default = init_default_group(meetings, guard, args, backend, wait, arrival, lazy)
         launched = launched.met(args.rank, args.world_size, default)
         maker = launched.group_maker(guard, meetings)
-        launched = launched.with_groups(maker, layout).with_hosts().with_device().with_streams(seed)
+        maker.eager = default.eager  # the default group's connections count too
+        launched = launched.with_groups(maker, layout)
+        maker.settle("launch")  # issue 34: nobody tears down a group a peer still connects to
+        launched = launched.with_hosts().with_device().with_streams(seed)
         if guard.aborted.is_set():  # abort() came while torch made the groups
             raise LaunchAborted(
                 f"rank {args.rank}: the launch was aborted by gpc.abort() while it made the groups"
