@@ -114,7 +114,7 @@ def _names(module: str) -> set[str]:
     return found
 
 
-LIBRARY = [m for m in MODULES if m and not layer_of(m)[0] == "tools"]
+LIBRARY = [m for m in MODULES if m and layer_of(m)[0] != "tools"]
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m])
@@ -122,11 +122,17 @@ def test_every_import_runs_down_or_within_its_layer(module: str) -> None:
     name, height = layer_of(module)
     for target, _, names in imports(module):
         if target == "":
-            assert name == "tools", f"parallelctx.{module} imports the package face ({names}); import the module"
+            assert name == "tools", (
+                f"parallelctx.{module} imports the package face ({names}); import the module"
+            )
             continue
         their, theirs = layer_of(target)
-        assert theirs <= height, f"parallelctx.{module} ({name}) imports parallelctx.{target} ({their}), a layer above"
-        assert (name, their) not in APART, f"parallelctx.{module} ({name}) imports parallelctx.{target} ({their})"
+        assert theirs <= height, (
+            f"parallelctx.{module} ({name}) imports parallelctx.{target} ({their}), a layer above"
+        )
+        assert (name, their) not in APART, (
+            f"parallelctx.{module} ({name}) imports parallelctx.{target} ({their})"
+        )
 
 
 def test_no_import_circle() -> None:
@@ -210,17 +216,39 @@ def test_the_library_never_imports_the_command_line_tools(module: str) -> None:
 
 def test_the_top_level_holds_the_face_the_facade_and_the_entry_points() -> None:
     top = {p.stem for p in PKG.glob("*.py")} - {"__init__", "__main__"}
-    assert top == {"context", "launch", "spawn", "checkpoint", "dryrun", "pipelining", "deepspeed", "torchtitan"}
+    assert top == {
+        "context",
+        "launch",
+        "spawn",
+        "checkpoint",
+        "dryrun",
+        "pipelining",
+        "deepspeed",
+        "torchtitan",
+    }
     packages = {p.parent.name for p in PKG.glob("*/__init__.py")}
     assert packages == {"planning", "config", "env", "guard", "runtime", "megatron", "cli", "testing"}
     cli = {p.stem for p in (PKG / "cli").glob("*.py")}
-    assert {"main", "plan", "env", "check", "verify", "timing", "placement", "tables", "picture", "demo"} <= cli
+    assert {
+        "main",
+        "plan",
+        "env",
+        "check",
+        "verify",
+        "timing",
+        "placement",
+        "tables",
+        "picture",
+        "demo",
+    } <= cli
 
 
 def test_boundaries_within_the_layers() -> None:
     assert "spawn" not in {t for t, _, _ in imports("launch")}, "launch.py imports spawn.py"
     runtime = {t for m in MODULES if m and layer_of(m)[0] == "runtime" for t, _, _ in imports(m)}
-    assert not {t for t in runtime if layer_of(t)[0] in ("env", "bridges")}, "the start-up imports no launcher"
+    assert not {t for t in runtime if layer_of(t)[0] in ("env", "bridges")}, (
+        "the start-up imports no launcher"
+    )
     assert "context" not in {t for t, _, _ in imports("runtime.mesh")}, "mesh takes values, not the context"
 
 
@@ -230,7 +258,9 @@ def test_every_moved_module_is_the_same_object_under_its_old_name() -> None:
     import parallelctx
 
     for old, new in parallelctx.MOVED.items():
-        assert importlib.import_module(f"parallelctx.{old}") is importlib.import_module(f"parallelctx.{new}"), old
+        assert importlib.import_module(f"parallelctx.{old}") is importlib.import_module(
+            f"parallelctx.{new}"
+        ), old
         assert new in MODULES, new
 
 
