@@ -30,7 +30,7 @@ from ..config.args import LaunchArgs
 from ..guard.abort import AbortableStore
 from ..guard.core import Guard
 from ..guard.sockets import FdSlots
-from .groups import connects_at_creation, lazy_gloo
+from .groups import connects_at_creation
 from .rendezvous import Arrival, agree_launch, connect_store, exchange, rank_list
 
 __all__ = ["REFUSAL_GRACE_S", "DefaultGroup", "Meetings", "init_default_group", "url_of"]
@@ -206,14 +206,14 @@ def init_default_group(
     backend: str,
     timeout: timedelta,
     arrival: Arrival | None,
-    lazy: bool = True,
 ) -> DefaultGroup:
     """Meet every rank of ``args`` (checked: :func:`parallelctx.config.args.validate_launch_args`)
     in one exchange of ``arrival`` on this launch's store, then make the default group on
     ``backend`` (resolved: ``"gloo"`` or ``"nccl"``), held by ``guard`` as soon as it exists;
-    or adopt an initialised one with the same rank and world size. With ``lazy`` (the config's
-    ``dist.gloo_lazy_init``) a gloo default group connects on its first collective, as gpc's
-    subgroups do (:func:`parallelctx.groups.lazy_gloo`).
+    or adopt an initialised one with the same rank and world size. A gloo default group connects
+    all its pairs as it is made (unless ``TORCH_GLOO_LAZY_INIT`` is set): a rank that dies later
+    is then noticed at once by the peers' next collective, not at its timeout; the start-up
+    settles every rank once its groups are made (``DefaultGroup.eager``).
 
     The store of a URL is kept across ``destroy()`` by ``meetings`` (under torchrun it is the
     launcher's own store, which outlives restarts) and every launch first agrees with every rank
@@ -258,10 +258,9 @@ def init_default_group(
                 a.host for a in exchange(store, arrival, world_size, timeout, shown(url), deadline)
             )
     slots = FdSlots.reserve()  # after the store: its server's loop is no group's
-    with lazy_gloo(lazy):
-        eager = world_size > 1 and connects_at_creation(backend)
-        dist.init_process_group(
-            backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
-        )
+    eager = world_size > 1 and connects_at_creation(backend)
+    dist.init_process_group(
+        backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
+    )
     guard.hold(dist.group.WORLD, slots)
     return DefaultGroup(backend, True, timeout, hostnames, None if world_size == 1 else store, eager)

@@ -107,6 +107,7 @@ class Launched:
     seed: int | None = None
     notes: tuple[Held, ...] = ()
     dry_run: DryRun | None = None
+    eager: bool = False  # the default group connected as it was made (no settle since)
     meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def device_mesh(self, grid: str = "dense") -> Any:
@@ -153,6 +154,7 @@ class Launched:
         return dataclasses.replace(
             self, rank=rank, world_size=world_size, backend=default.backend, timeout=default.timeout,
             owns_default_group=default.owned, store=default.store, hostnames=default.hostnames or self.hostnames,
+            eager=default.eager,
         )  # fmt: skip
 
     def group_maker(self, guard: Guard, meetings: Meetings | None = None) -> GroupMaker:
@@ -175,19 +177,28 @@ class Launched:
 
     def with_groups(self, maker: GroupMaker, layout: Layout | None = None) -> Launched:
         """Return this value with this rank's groups, made by ``maker`` for ``layout`` (default:
-        the config's sizes on this world).
+        the config's sizes on this world). When the default group or one of these connected as
+        it was made, every rank settles here first (:meth:`GroupMaker.settle
+        <parallelctx.runtime.groups.GroupMaker.settle>`): no rank goes on, and perhaps tears a
+        group down, while a peer is still connecting to it (issue 34).
 
         Raises:
+            ValueError: no config yet.
             LayoutError: the config's sizes do not fit the world size.
             RuntimeError: from torch, when a peer does not arrive within the timeout.
+            RendezvousError: a rank did not settle within the timeout.
         """
         if self.config is None:
             raise ValueError("the groups need the config: load it first")
         layout = layout or self.config.parallel.to_layout(self.world_size)
         cpu_backend = None if self.backend in CPU_BACKENDS else "gloo"
+        maker.eager = maker.eager or self.eager
         groups = create_groups(layout, self.rank, maker, cpu_backend)
+        maker.settle("launch")
         notes = (*self.notes, *maker.made)
-        return dataclasses.replace(self, layout=layout, groups=groups, group_calls=maker.calls, notes=notes)
+        return dataclasses.replace(
+            self, layout=layout, groups=groups, group_calls=maker.calls, notes=notes, eager=False
+        )
 
     def with_hosts(self) -> Launched:
         """Return this value with every rank's host name (the meeting's, else one all-gather over
@@ -403,14 +414,10 @@ def start(
         check_init_method_env(args.init_method)
         backend = resolve_backend(args.backend or cfg.dist.backend)
         arrival = Arrival(args.rank, socket.gethostname(), values)
-        lazy = cfg.dist.gloo_lazy_init
-        default = init_default_group(meetings, guard, args, backend, wait, arrival, lazy)
+        default = init_default_group(meetings, guard, args, backend, wait, arrival)
         launched = launched.met(args.rank, args.world_size, default)
         maker = launched.group_maker(guard, meetings)
-        maker.eager = default.eager  # the default group's connections count too
-        launched = launched.with_groups(maker, layout)
-        maker.settle("launch")  # issue 34: nobody tears down a group a peer still connects to
-        launched = launched.with_hosts().with_device().with_streams(seed)
+        launched = launched.with_groups(maker, layout).with_hosts().with_device().with_streams(seed)
         if guard.aborted.is_set():  # abort() came while torch made the groups
             raise LaunchAborted(
                 f"rank {args.rank}: the launch was aborted by gpc.abort() while it made the groups"
