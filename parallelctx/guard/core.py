@@ -131,9 +131,10 @@ class Guard:
             if not held:
                 return 0
             abort_groups([h.group for h in held], include_default=False)
-            loops = [h for h in held if h.loop is not None and h.loop.alive()]
-            wake({h.loop.listener: (h.rank, h.size) for h in loops if h.loop is not None}, min(timeout, 0.5))
-            return sum(h.loop.shut_down() for h in loops if h.loop is not None)
+            loops = [(h, h.loop) for h in held if h.loop is not None and h.loop.alive()]
+            listeners = {(h.rank, h.size, loop.listener) for h, loop in loops}
+            wake({at: (rank, size) for rank, size, at in listeners if at is not None}, min(timeout, 0.5))
+            return sum(loop.shut_down() for _, loop in loops)
 
     # ------------------------------------------------------------------ hang report
     def on_hang(self, handler: Callable[[HangReport], Any]) -> Callable[[HangReport], Any]:

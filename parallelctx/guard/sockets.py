@@ -32,9 +32,10 @@ __all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "endpoint_of", "shut_down
 Endpoint = tuple[str, int]
 """A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port)."""
 
-SLOTS = 32
-"""Free descriptor numbers read before each group is made: gloo opens its loop's 4 descriptors
-first, so up to 28 opened meanwhile by other threads still leave them among the slots."""
+SLOTS = 10
+"""Free descriptor numbers read before each group is made: gloo opens its loop's pipe, epoll and
+listener first (4 descriptors), so up to 6 opened meanwhile by other threads still leave them
+among the slots (reading a slot costs a ``dup``; a group not found is logged)."""
 
 _EPOLL = "anon_inode:[eventpoll]"
 _TFD = re.compile(r"^tfd:\s*(\d+)\s.*?\sino:([0-9a-f]+)", re.MULTILINE)
@@ -110,31 +111,37 @@ def _registered(epoll: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class GlooLoop:
     """A gloo group's event loop in this process: the number of its ``epoll`` descriptor, and
-    its listener (descriptor, inode, endpoint), where the group's peers connect."""
+    its listener's descriptor and inode, where the group's peers connect."""
 
     epoll: int
     listener_fd: int
     listener_inode: int
-    listener: Endpoint
 
     @classmethod
     def at(cls, fd: int, known: Collection[int] = ()) -> GlooLoop | None:
-        """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers a
-        listening TCP socket whose inode is not in ``known`` (the listeners of loops found
-        before); else None. A TCPStore server's libuv loop looks the same: reserve the slots
-        after the launch's store exists. Never raises."""
+        """Return the gloo loop whose epoll descriptor is ``fd``: an epoll whose first registered
+        socket (gloo registers its listener before any connection) has an inode not in ``known``
+        (the listeners of loops found before); else None. A TCPStore server's libuv loop looks
+        the same: reserve the slots after the launch's store exists. Never raises."""
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
                 return None
         except OSError:
             return None
         for tfd, inode in sorted(_registered(fd)):  # the listener precedes the group's connections
-            if inode in known:
-                return None
-            endpoint = endpoint_of(tfd, inode)
-            if endpoint is not None:
-                return cls(fd, tfd, inode, endpoint)
+            try:
+                if os.readlink(f"/proc/self/fd/{tfd}") != f"socket:[{inode}]":
+                    continue  # gloo's wake-up pipe
+            except OSError:
+                continue
+            return None if inode in known else cls(fd, tfd, inode)
         return None
+
+    @property
+    def listener(self) -> Endpoint | None:
+        """The listener's local endpoint (address in hex, port), asked of the socket now; None
+        when the descriptor no longer is that listening socket."""
+        return endpoint_of(self.listener_fd, self.listener_inode)
 
     def alive(self) -> bool:
         """True while the loop is still there: its epoll descriptor still registers this

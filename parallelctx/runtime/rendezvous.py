@@ -51,6 +51,26 @@ _SLICE_S = 0.25
 _POLL_RATE = 30_000
 
 
+# How long a wait goes before it first names the ranks it waits for (a store request per rank,
+# for SIGTERM's and Ctrl-C's message), and how that grows: a short wait never pays for it.
+_NAME_AFTER_S = 1.0
+_NAME_EVERY_MAX_S = 8.0
+# Added to the count of a rendezvous by a rank that refused, so that one request tells a waiting
+# rank both how many arrived and whether one refused.
+REFUSED = 1 << 32
+
+
+def _namings() -> Iterator[float]:
+    """Yield the times (``time.monotonic()``) at which a wait that began now names the ranks it
+    waits for: after 1 s, then 2, 4 and every 8 s."""
+    begin, step = time.monotonic(), _NAME_AFTER_S
+    at = begin + step
+    while True:
+        yield at
+        step = min(step * 2, _NAME_EVERY_MAX_S)
+        at += step
+
+
 def _pauses(world_size: int) -> Iterator[float]:
     """Yield the sleeps between two polls of the store: from ``world_size / _POLL_RATE``
     seconds (within [1 ms, 10 ms]), each half as long again as the last, up to ``_SLICE_S``."""
@@ -324,7 +344,8 @@ def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: flo
         raise _lost(0, where, exc) from None
     if world_size == 1:
         return prefix
-    pauses, named = _pauses(world_size), time.monotonic() + 0.05
+    pauses, namings = _pauses(world_size), _namings()
+    named = next(namings)
     with _waiting(lambda: f"the other ranks of {world_size} at {where}"):
         while True:
             try:
@@ -336,7 +357,7 @@ def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: flo
             if now >= deadline:
                 raise _not_arrived(_unanswered(store, prefix, world_size), world_size, seconds, where)
             if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
-                named = now + _SLICE_S
+                named = next(namings)
                 missing = _unanswered(store, prefix, world_size)
                 if missing:
                     _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
@@ -355,19 +376,23 @@ def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, 
     nonce = uuid.uuid4().hex.encode()
     answered: str | None = None
     pauses = _pauses(world_size)
+    reread = 0.0  # when to read the posted prefix again (a newer launch may replace it)
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
         while True:
             try:
-                if store.check([_ROOT + "leader"]):
+                now = time.monotonic()
+                if (answered is None or now >= reread) and store.check([_ROOT + "leader"]):
                     prefix = store.get(_ROOT + "leader").decode()
                     if prefix != answered:
                         store.set(f"{prefix}answer/{rank}", nonce)
                         store.add(prefix + "answers", 1)
                         answered = prefix
-                    if store.check([prefix + "confirmed"]):
-                        confirmed = store.get(prefix + "confirmed").split(b",")
-                        if len(confirmed) == world_size - 1 and confirmed[rank - 1] == nonce:
-                            return prefix
+                    reread = now + _SLICE_S
+                if answered is not None and store.check([answered + "confirmed"]):
+                    confirmed = store.get(answered + "confirmed").split(b",")
+                    if len(confirmed) == world_size - 1 and confirmed[rank - 1] == nonce:
+                        return answered
+                    reread = 0.0  # an earlier launch's prefix, confirmed for others: look again
             except Exception as exc:
                 raise _lost(rank, where, exc) from None
             now = time.monotonic()
@@ -425,7 +450,7 @@ def exchange(
         if arrival.error is not None:
             store.set("abort", str(rank).encode())
             store.add("refused", 1)
-        store.add("arrived", 1)
+        store.add("arrived", 1 + (REFUSED if arrival.error is not None else 0))
     except Exception as exc:
         raise _lost(rank, where, exc) from None
     if arrival.error is not None:
@@ -435,7 +460,7 @@ def exchange(
     with _waiting(lambda: awaited):
 
         def refused() -> None:
-            if store.check(["abort"]):
+            if store.check(["abort"]):  # set before the count says a rank refused
                 bad = int(store.get("abort"))
                 theirs: Arrival = pickle.loads(store.get(f"arrive/{bad}"))
                 store.add("read", 1)
@@ -481,23 +506,26 @@ def _await_count(
     seconds: float,
     deadline: float,
     where: str,
-    check: Callable[[], None] | None = None,
+    on_refusal: Callable[[], None] | None = None,
 ) -> None:
-    """Poll ``counter`` on ``store``, in short slices, until it reaches ``target``; the ranks whose
-    ``<posted><rank>`` key is missing (of ``world_size``) are named (for SIGTERM's message, and
-    in the error).
+    """Poll ``counter`` on ``store``, in short slices, one request a poll, until it counts
+    ``target`` (modulo :data:`REFUSED`; a count of :data:`REFUSED` or more calls ``on_refusal``,
+    which raises); the ranks whose ``<posted><rank>`` key is missing (of ``world_size``) are named
+    after a second of waiting (for SIGTERM's message) and in the error.
 
     Raises:
-        RendezvousError: ``deadline`` passed (the missing ranks named), what ``check`` raises, or
-            the store went away.
+        RendezvousError: ``deadline`` passed (the missing ranks named), what ``on_refusal``
+            raises, or the store went away.
     """
-    pauses, named = _pauses(world_size), time.monotonic() + 0.05
+    pauses, namings = _pauses(world_size), _namings()
+    named = next(namings)
     while True:
         try:
-            if store.add(counter, 0) >= target:
+            count = store.add(counter, 0)
+            if count >= REFUSED and on_refusal is not None:
+                on_refusal()
+            if count % REFUSED >= target:
                 return
-            if check is not None:
-                check()
         except RendezvousError:
             raise
         except Exception as exc:
@@ -506,7 +534,7 @@ def _await_count(
         if now >= deadline:
             raise _not_arrived(_missing(store, world_size, posted), world_size, seconds, where)
         if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
-            named = now + _SLICE_S
+            named = next(namings)
             missing = _missing(store, world_size, posted)
             if missing:
                 _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
