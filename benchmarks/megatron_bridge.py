@@ -67,8 +67,8 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]], lib: str 
     ]
     floor = bool(runs) and all("floor" in run for run in runs)
     if floor:
-        lines[0] += " torch alone, the same groups (own job) | its ratio |"
-        lines[1] += " --- | --- |"
+        lines[0] += " torch alone, the same groups (own job) | its ratio | parallelctx ÷ torch alone |"
+        lines[1] += " --- | --- | --- |"
     for run in runs:
         ours, theirs, ratio = _ratio(run, "create_s", lib)
         _, _, first = _ratio(run, "first_collective_s", lib)
@@ -81,7 +81,7 @@ def table(runs: list[dict[str, Any]], sims: dict[str, dict[str, Any]], lib: str 
         )
         if floor:
             alone, _, alone_ratio = _ratio(run["floor"], "create_s", "torch_groups")
-            line += f" {alone * 1e3:.1f} ms | {alone_ratio:.2f} |"
+            line += f" {alone * 1e3:.1f} ms | {alone_ratio:.2f} | {ratio / alone_ratio:.2f} |"
         lines.append(line)
     if sims:
         b, m = sims[lib], sims["megatron"]

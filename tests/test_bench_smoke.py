@@ -119,3 +119,23 @@ def test_megatron_bridge_pgc_table_shows_the_torch_floor_from_its_own_job() -> N
     assert row == "| 16 | tp 2 pp 4 | lazy | 85.0 ms | 100.0 ms | 0.85 | 0.85 | 7, 7 | 40.0 ms | 0.40 |"
     run.pop("floor")
     assert "torch alone" not in table([run], {}, "bridge_pgc")
+
+
+def test_the_issue_34_benchmarks_run_once_and_print_tables() -> None:
+    """many_fds (a few hundred descriptors, 3 rounds) and startup_phases (4 ranks, 2 rounds)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    for cmd, heading in (
+        (
+            ["benchmarks.many_fds", "--nproc", "2", "--rounds", "3", "--extra", "300"],
+            "| abort(), thread CPU |",
+        ),
+        (
+            ["benchmarks.startup_phases", "--nproc", "4", "--rounds", "2"],
+            "| prefix agreement (rendezvous round) |",
+        ),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert heading in done.stdout, done.stdout

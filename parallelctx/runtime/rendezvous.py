@@ -344,24 +344,11 @@ def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: flo
         raise _lost(0, where, exc) from None
     if world_size == 1:
         return prefix
-    pauses, namings = _pauses(world_size), _namings()
-    named = next(namings)
     with _waiting(lambda: f"the other ranks of {world_size} at {where}"):
-        while True:
-            try:
-                if store.add(prefix + "answers", 0) >= world_size - 1:
-                    break
-            except Exception as exc:
-                raise _lost(0, where, exc) from None
-            now = time.monotonic()
-            if now >= deadline:
-                raise _not_arrived(_unanswered(store, prefix, world_size), world_size, seconds, where)
-            if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
-                named = next(namings)
-                missing = _unanswered(store, prefix, world_size)
-                if missing:
-                    _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
-            time.sleep(min(next(pauses), max(deadline - now, 0.0)))
+        answers, answered = prefix + "answers", prefix + "answer/"
+        _await_count(
+            store, answers, world_size - 1, world_size, answered, 0, seconds, deadline, where, first=1
+        )
         try:
             nonces = store.multi_get([f"{prefix}answer/{r}" for r in range(1, world_size)])
             store.set(prefix + "confirmed", b",".join(nonces))
@@ -399,22 +386,17 @@ def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, 
             if now >= deadline:
                 # Under the prefix this rank answered, the ranks that did not answer; when all did
                 # (or the prefix was an earlier launch's), rank 0 never confirmed this launch.
-                missing = _unanswered(store, answered, world_size) if answered is not None else None
+                missing = (
+                    _missing(store, world_size, answered + "answer/", 1) if answered is not None else None
+                )
                 raise _not_arrived(missing or [0], world_size, seconds, where)
             time.sleep(min(next(pauses), max(deadline - now, 0.0)))
 
 
-def _unanswered(store: Any, prefix: str, world_size: int) -> list[int] | None:
-    try:
-        return [r for r in range(1, world_size) if not store.check([f"{prefix}answer/{r}"])]
-    except Exception:
-        return None
-
-
 # ---------------------------------------------------------------------------- the exchange
-def _missing(store: Any, world_size: int, posted: str = "arrive/") -> list[int] | None:
+def _missing(store: Any, world_size: int, posted: str = "arrive/", first: int = 0) -> list[int] | None:
     try:
-        return [r for r in range(world_size) if not store.check([f"{posted}{r}"])]
+        return [r for r in range(first, world_size) if not store.check([f"{posted}{r}"])]
     except Exception:
         return None
 
@@ -507,11 +489,12 @@ def _await_count(
     deadline: float,
     where: str,
     on_refusal: Callable[[], None] | None = None,
+    first: int = 0,
 ) -> None:
     """Poll ``counter`` on ``store``, in short slices, one request a poll, until it counts
     ``target`` (modulo :data:`REFUSED`; a count of :data:`REFUSED` or more calls ``on_refusal``,
-    which raises); the ranks whose ``<posted><rank>`` key is missing (of ``world_size``) are named
-    after a second of waiting (for SIGTERM's message) and in the error.
+    which raises); the ranks from ``first`` whose ``<posted><rank>`` key is missing (of
+    ``world_size``) are named after a second of waiting (for SIGTERM's message) and in the error.
 
     Raises:
         RendezvousError: ``deadline`` passed (the missing ranks named), what ``on_refusal``
@@ -532,10 +515,10 @@ def _await_count(
             raise _lost(rank, where, exc) from None
         now = time.monotonic()
         if now >= deadline:
-            raise _not_arrived(_missing(store, world_size, posted), world_size, seconds, where)
+            raise _not_arrived(_missing(store, world_size, posted, first), world_size, seconds, where)
         if now >= named:  # waited a while: name the ranks it waits for (for SIGTERM's message)
             named = next(namings)
-            missing = _missing(store, world_size, posted)
+            missing = _missing(store, world_size, posted, first)
             if missing:
                 _set_waiting(f"rank{'s' if len(missing) > 1 else ''} {rank_list(missing)} at {where}")
         time.sleep(min(next(pauses), max(deadline - now, 0.0)))

@@ -1,0 +1,192 @@
+"""Where the start-up's time goes: ``launch_from_torch`` + ``parallelctx.megatron.process_groups()``
+on an existing default group, phase by phase, on every rank.
+
+    python -m benchmarks.startup_phases [--nproc 16] [--rounds 6] [--write-results]
+
+Starts itself under torchrun (``--standalone``, gloo, tensor 2, pipeline 4 at 16 ranks), once
+with lazy gloo (``TORCH_GLOO_LAZY_INIT=1``: pairs connect on first use) and once eager. Each round
+every rank joins a barrier, launches and builds the collection, and the time each phase of the
+start-up took is recorded on every rank (wall and the calling thread's CPU) by wrapping the
+functions that make it: the checks, the prefix agreement (``agree_launch``), the exchange of
+arrivals, this rank's groups (``new_group`` calls inside), hosts, device, seeds, the bridge's
+groups. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
+``--write-results`` writes them into benchmarks/RESULTS.md. The wall time of a rendezvous phase is
+mostly waiting for the last rank to be scheduled; the CPU time is this rank's own work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from . import sections
+
+ROOT = Path(__file__).resolve().parent.parent
+PHASES = [
+    ("startup", "_checked", "checks (config, arguments, layout)"),
+    ("meetings", "agree_launch", "prefix agreement (rendezvous round)"),
+    ("meetings", "exchange", "exchange of arrivals (rendezvous round)"),
+    ("Launched", "with_groups", "this rank's groups"),
+    ("GroupMaker", "new_group", "  of which torch's new_group + noting the gloo loop"),
+    ("Launched", "with_hosts", "hosts, local rank"),
+    ("Launched", "with_streams", "seeds and streams"),
+    ("bridge", "_build", "Megatron bridge: its groups and values"),
+]
+
+
+def worker(rounds: int, out: str) -> None:
+    """One rank: the rounds; rank 0 writes the medians to ``out``."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    import megatron.core.parallel_state  # noqa: F401  (import cost is not start-up cost)
+
+    import parallelctx
+    import parallelctx.megatron as bridge
+    from parallelctx import gpc
+    from parallelctx.runtime import groups, meetings, startup
+
+    owners = {"startup": startup, "meetings": meetings, "Launched": startup.Launched}
+    owners.update(GroupMaker=groups.GroupMaker, bridge=bridge)
+    spent: dict[str, list[float]] = {}
+
+    def timed(owner: Any, name: str) -> None:
+        function = getattr(owner, name)
+
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t, c = time.perf_counter(), time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                wall, cpu = spent.setdefault(name, [0.0, 0.0])
+                spent[name] = [wall + time.perf_counter() - t, cpu + time.thread_time() - c]
+
+        setattr(owner, name, wrapper)
+
+    for owner, name, _ in PHASES:
+        timed(owners[owner], name)
+    pipeline = max(1, dist.get_world_size() // 4)
+    kept: list[Any] = []
+    rows = []
+    for index in range(rounds):
+        spent.clear()
+        dist.barrier()
+        t, c = time.perf_counter(), time.thread_time()
+        parallelctx.launch_from_torch({"parallel": {"tensor": 2, "pipeline": pipeline}})
+        bridge.process_groups()
+        spent["total"] = [time.perf_counter() - t, time.thread_time() - c]
+        rows.append(dict(spent))
+        dist.barrier()
+        gpc.destroy()
+        # torch names a locally synchronized group by the groups the process holds: one-rank groups
+        # kept alive give the next round fresh names (parallelctx refuses to reuse destroyed ones)
+        while len(dist.distributed_c10d._world.pg_names) <= 40 + 10 * index:
+            kept.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, rows[1:])
+    if dist.get_rank() == 0:
+        medians = {}
+        for name in [n for _, n, _ in PHASES] + ["total"]:
+            walls = [r[name][0] for rank in every for r in rank if name in r]
+            cpus = [r[name][1] for rank in every for r in rank if name in r]
+            medians[name] = [statistics.median(walls), statistics.median(cpus)] if walls else [0.0, 0.0]
+        Path(out).write_text(json.dumps(medians))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run(nproc: int, rounds: int, lazy: bool) -> dict[str, list[float]]:
+    """One torchrun job; returns ``{phase: [median wall s, median thread CPU s]}``.
+
+    Raises:
+        RuntimeError: torchrun failed (its output in the message).
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "phases.json")
+        torchrun = Path(sys.executable).with_name("torchrun")
+        cmd = [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "benchmarks.startup_phases",
+        ]
+        cmd += ["--worker", "--rounds", str(rounds), "--json", str(out)]
+        env = dict(os.environ, TORCH_GLOO_LAZY_INIT="1" if lazy else "0", OMP_NUM_THREADS="1")
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"torchrun failed ({proc.returncode}): {proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+            )
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def table(results: dict[str, dict[str, list[float]]], nproc: int) -> str:
+    """The markdown table: a row a phase, wall and CPU per gloo mode."""
+    modes = list(results)
+    head = (
+        "| phase (median over ranks and rounds) | "
+        + " | ".join(f"{m}: wall | {m}: CPU" for m in modes)
+        + " |"
+    )
+    lines = [head, "|---" + "|---:" * (2 * len(modes)) + "|"]
+    for _, name, label in [*PHASES, ("", "total", f"launch + process_groups(), {nproc} ranks")]:
+        cells = " | ".join(
+            f"{results[m][name][0] * 1e3:.1f} ms | {results[m][name][1] * 1e3:.2f} ms" for m in modes
+        )
+        lines.append(f"| {label} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments; run both jobs (or, with ``--worker``, be one rank); return 0."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--write-results", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.rounds, args.json)
+        return 0
+    results = {mode: run(args.nproc, args.rounds, mode == "lazy") for mode in ("lazy", "eager")}
+    body = table(results, args.nproc)
+    print(body)
+    if args.write_results:
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+        section = (
+            "## Where the start-up's time goes (issue 34)\n\n"
+            f"Written by `python -m benchmarks.startup_phases {' '.join(argv or sys.argv[1:])}` on {now} "
+            f"(load average {load} after the run; {os.cpu_count()} CPU cores, gloo). `launch_from_torch` + "
+            "`parallelctx.megatron.process_groups()` on an existing default group, each phase timed on every "
+            "rank (wall, and the calling thread's CPU). A rendezvous round's wall time is mostly waiting "
+            "for the last of the ranks to be scheduled; its CPU is this rank's own requests.\n\n"
+            f"{body}\n"
+        )
+        sections.write_section(ROOT / "benchmarks" / "RESULTS.md", "startup_phases", section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
