@@ -77,7 +77,7 @@ class Meetings:
         (``arrival.error``), so that they stop at once instead of waiting for it; returns at
         once. The telling lasts at most ``min(timeout, REFUSAL_GRACE_S)``; the next launch in
         this process and the process's exit wait for it (within that bound)."""
-        self.settle()
+        self.finish_refusal()
         if args.world_size == 1 or dist.is_initialized():
             return
         grace = timedelta(seconds=min(timeout.total_seconds(), REFUSAL_GRACE_S))
@@ -89,7 +89,7 @@ class Meetings:
         )
         self._refusal.start()
         if not self._exit_hook:
-            atexit.register(self._settle_at_exit)
+            atexit.register(self._finish_refusal_at_exit)
             self._exit_hook = True
 
     def _tell_refusal(self, args: LaunchArgs, timeout: timedelta, deadline: float, arrival: Arrival) -> None:
@@ -114,14 +114,14 @@ class Meetings:
                 why,
             )
 
-    def settle(self) -> None:
+    def finish_refusal(self) -> None:
         """Wait until this process's last refusal has been told (bounded: see
         :meth:`announce_refusal`); returns None."""
         thread, self._refusal = self._refusal, None
         if thread is not None:
             thread.join(REFUSAL_GRACE_S + 5.0)
 
-    def _settle_at_exit(self) -> None:
+    def _finish_refusal_at_exit(self) -> None:
         thread = self._refusal
         if thread is not None:
             thread.join(3.0)  # told at once when the other ranks are there: no note
@@ -133,7 +133,7 @@ class Meetings:
                 f"{REFUSAL_GRACE_S:g} s; Ctrl-C skips)\n"
             )
         try:
-            self.settle()
+            self.finish_refusal()
         except KeyboardInterrupt:
             pass
 

@@ -402,7 +402,7 @@ def start(
     """
     if dry is not None:
         return _start_dry(config, raw, dry, guard)
-    meetings.settle()  # an earlier refusal of this process, still being told
+    meetings.finish_refusal()  # an earlier refusal of this process, still being told
     guard.begin()
     cfg, args, layout = _checked(config, raw, meetings)
     wait = args.timeout or cfg.dist.timeout
