@@ -116,7 +116,9 @@ def test_megatron_bridge_pgc_table_shows_the_torch_floor_from_its_own_job() -> N
     }
     head, _, row = table([run], {}, "bridge_pgc").splitlines()
     assert head.endswith("| torch alone, the same groups (own job) | its ratio | parallelctx ÷ torch alone |")
-    assert row == "| 16 | tp 2 pp 4 | lazy | 85.0 ms | 100.0 ms | 0.85 | 0.85 | 7, 7 | 40.0 ms | 0.40 | 2.12 |"
+    assert (
+        row == "| 16 | tp 2 pp 4 | lazy | 85.0 ms | 100.0 ms | 0.85 | 0.85 | 7, 7 | 40.0 ms | 0.40 | 2.12 |"
+    )
     run.pop("floor")
     assert "torch alone" not in table([run], {}, "bridge_pgc")
 
