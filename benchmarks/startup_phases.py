@@ -9,7 +9,9 @@ every rank joins a barrier, launches and builds the collection, and the time eac
 start-up took is recorded on every rank (wall and the calling thread's CPU) by wrapping the
 functions that make it: the checks, the prefix agreement (``agree_launch``), the exchange of
 arrivals, this rank's groups (``new_group`` calls inside), hosts, device, seeds, the bridge's
-groups. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
+groups. After those rounds, in the same job, as many rounds of torch alone making the same groups
+(``benchmarks.peers.setup_torch_groups``: plain ``new_group`` calls, no config, rendezvous or
+seeds), timed the same way. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
 ``--write-results`` writes them into benchmarks/RESULTS.md. The wall time of a rendezvous phase is
 mostly waiting for the last rank to be scheduled; the CPU time is this rank's own work.
 """
@@ -98,11 +100,20 @@ def worker(rounds: int, out: str) -> None:
         # kept alive give the next round fresh names (parallelctx refuses to reuse destroyed ones)
         while len(dist.distributed_c10d._world.pg_names) <= 40 + 10 * index:
             kept.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+    from .peers import setup_torch_groups
+
+    for index in range(rounds):  # the floor: torch alone, the same groups, in this job
+        dist.barrier()
+        t, c = time.perf_counter(), time.thread_time()
+        built = setup_torch_groups(2, pipeline)
+        rows[index]["torch_alone"] = [time.perf_counter() - t, time.thread_time() - c]
+        dist.barrier()
+        built.teardown()
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows[1:])
     if dist.get_rank() == 0:
         medians = {}
-        for name in [n for _, n, _ in PHASES] + ["total"]:
+        for name in [n for _, n, _ in PHASES] + ["total", "torch_alone"]:
             walls = [r[name][0] for rank in every for r in rank if name in r]
             cpus = [r[name][1] for rank in every for r in rank if name in r]
             medians[name] = [statistics.median(walls), statistics.median(cpus)] if walls else [0.0, 0.0]
@@ -149,11 +160,18 @@ def table(results: dict[str, dict[str, list[float]]], nproc: int) -> str:
         + " |"
     )
     lines = [head, "|---" + "|---:" * (2 * len(modes)) + "|"]
-    for _, name, label in [*PHASES, ("", "total", f"launch + process_groups(), {nproc} ranks")]:
+    total = ("", "total", f"launch + process_groups(), {nproc} ranks")
+    alone = ("", "torch_alone", "torch alone: the same groups, plain new_group (same job)")
+    for _, name, label in [*PHASES, total, alone]:
         cells = " | ".join(
             f"{results[m][name][0] * 1e3:.1f} ms | {results[m][name][1] * 1e3:.2f} ms" for m in modes
         )
         lines.append(f"| {label} | {cells} |")
+    ratios = " | ".join(
+        " | ".join(f"{results[m]['total'][i] / results[m]['torch_alone'][i]:.2f}" for i in (0, 1))
+        for m in modes
+    )
+    lines.append(f"| parallelctx ÷ torch alone | {ratios} |")
     return "\n".join(lines)
 
 

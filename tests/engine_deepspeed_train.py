@@ -34,16 +34,6 @@ CLIP = 0.05
 def train(stage: int, out: Path, clip: float = 0.0) -> dict:
     """Train 3 steps under ZeRO ``stage`` (gradient norm clipped to ``clip`` when > 0); save a
     DeepSpeed checkpoint; return this rank's record."""
-    if stage == 3 and gpc.context.size > 1:
-        # ZeRO-3 partitions (and reduce-scatters) each parameter over the group it was made in,
-        # mpu.get_data_parallel_group() (DATA) unless built under zero.Init with another: with
-        # sequence parallelism that must be DATA_CONTEXT (docs/engines.md)
-        with deepspeed.zero.Init(
-            data_parallel_group=gpc.get_group(ParallelMode.DATA_CONTEXT), dtype=torch.float32
-        ):
-            model = TPMLP()
-    else:
-        model = TPMLP()
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
@@ -52,6 +42,18 @@ def train(stage: int, out: Path, clip: float = 0.0) -> dict:
         "gradient_clipping": clip,
         "steps_per_print": 1000,
     }
+    if stage == 3 and gpc.context.size > 1:
+        # ZeRO-3 partitions (and reduce-scatters) each parameter over the group it was made in,
+        # mpu.get_data_parallel_group() (DATA) unless built under zero.Init with another: with
+        # sequence parallelism that must be DATA_CONTEXT (docs/engines.md). The config, not
+        # dtype=torch.float32, gives the dtype: DeepSpeed 0.19.8's zero.Init turns an explicit
+        # dtype into bfloat16 on a CPU without mkldnn fp16 (an AMD EPYC here)
+        with deepspeed.zero.Init(
+            data_parallel_group=gpc.get_group(ParallelMode.DATA_CONTEXT), config_dict_or_path=config
+        ):
+            model = TPMLP()
+    else:
+        model = TPMLP()
     mpu = parallelctx.deepspeed.mpu()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)

@@ -133,7 +133,7 @@ def test_the_issue_34_benchmarks_run_once_and_print_tables() -> None:
         ),
         (
             ["benchmarks.startup_phases", "--nproc", "2", "--rounds", "2"],
-            "| prefix agreement (rendezvous round) |",
+            "| parallelctx ÷ torch alone |",
         ),
     ):
         done = subprocess.run(
