@@ -37,7 +37,7 @@ from ..guard.recorder import DryRun
 from ..planning.layout import Layout, LayoutError, ParallelMode
 from ..planning.simulation import parse_simulate
 from . import rendezvous
-from .groups import GroupMaker, ModeGroup, create_groups
+from .groups import GroupMaker, ModeGroup, create_groups, gloo_lazy_env
 from .meetings import DefaultGroup, Meetings, init_default_group
 from .mesh import build_device_mesh
 from .rendezvous import Arrival
@@ -257,8 +257,9 @@ def agreed_values(
 ) -> dict[str, Any]:
     """Return what every rank must launch with, as flat dotted keys: the config's parallel and
     dist sections (init_method aside: ranks may name rank 0's host differently), the seed, the
-    layout, the world size and the versions of parallelctx and torch (the running modules'
-    own ``__version__``: reading the installed metadata cost milliseconds per launch)."""
+    layout, the world size, ``TORCH_GLOO_LAZY_INIT`` as torch reads it (:func:`gloo_lazy_env`)
+    and the versions of parallelctx and torch (the running modules' own ``__version__``: reading
+    the installed metadata cost milliseconds per launch)."""
     values: dict[str, Any] = {}
 
     def flat(prefix: str, value: Any) -> None:
@@ -276,6 +277,9 @@ def agreed_values(
     values["seed"] = seed
     values["layout"] = layout.describe()
     values["world_size"] = world_size
+    # Whether gloo groups connect as made or at their first collective: ranks that differ never
+    # meet (torch 2.13 crashed with SIGSEGV in the eager ranks), so it is agreed like the config.
+    values["env.TORCH_GLOO_LAZY_INIT"] = gloo_lazy_env()
     # The package module is imported before any of its modules; its version is read, not imported.
     values["parallelctx_version"] = sys.modules[__name__.partition(".")[0]].__version__
     values["torch_version"] = torch.__version__
