@@ -9,7 +9,6 @@ queries answer from tables filled at adoption (:class:`parallelctx.views.Answers
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
@@ -137,7 +136,7 @@ class ParallelContext(ModeViews):
         """Validate and keep the config (a Config, a dict, a file path, or None); return it.
         Raises ConfigError or pydantic's ValidationError (:func:`parallelctx.config.load_config`)."""
         cfg = load_config(config)
-        self._adopt(dataclasses.replace(self._launched, config=cfg))
+        self._adopt(self._launched.replace(config=cfg))
         return cfg
 
     def init_global_dist(
