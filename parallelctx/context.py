@@ -9,7 +9,6 @@ queries answer from tables filled at adoption (:class:`parallelctx.views.Answers
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
@@ -137,7 +136,7 @@ class ParallelContext(ModeViews):
         """Validate and keep the config (a Config, a dict, a file path, or None); return it.
         Raises ConfigError or pydantic's ValidationError (:func:`parallelctx.config.load_config`)."""
         cfg = load_config(config)
-        self._adopt(dataclasses.replace(self._launched, config=cfg))
+        self._adopt(self._launched.replace(config=cfg))
         return cfg
 
     def init_global_dist(
@@ -153,12 +152,14 @@ class ParallelContext(ModeViews):
     ) -> None:
         """Make (or adopt) the default group, after meeting every rank at ``init_method`` or
         ``tcp://host:port`` (:func:`parallelctx.runtime.meetings.init_default_group`;
-        ``backend="auto"``: nccl with CUDA, else gloo). Raises LaunchArgumentError (a ValueError)
+        ``backend="auto"``: nccl with CUDA, else gloo); a no-op when gpc made it already. Raises LaunchArgumentError (a ValueError)
         for a bad argument, RuntimeError when torch.distributed has another rank or world size,
         RendezvousError when a rank did not arrive in time or the ranks disagree."""
         given = dict(rank=rank, world_size=world_size, host=host, port=port, timeout=timeout, backend=backend)
         args = validate_launch_args(**given, init_method=init_method, need_address=not dist.is_initialized())
         v = self._launched
+        if v.owns_default_group and dist.is_initialized() and (v.rank, v.world_size) == (rank, world_size):
+            return  # called again: the default group gpc made stays gpc's (destroy() tears it down)
         wait = args.timeout or (v.config.dist.timeout if v.config is not None else DEFAULT_TIMEOUT)
         self._guard.begin()
         made = init_default_group(

@@ -138,6 +138,24 @@ def test_the_signal_recipe_of_the_docs_ends_a_hung_all_reduce(tmp_path) -> None:
         assert json.loads((tmp_path / f"rank-{rank}.json").read_text())["relaunch_sum"] == 3.0
 
 
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_abort_ends_the_all_reduce_while_another_thread_churns_event_loops(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # skeptic-34: with a thread opening event loops during the launch, the guard took that
+    # thread's loop for a group's, or a connection for the listener; abort then left the
+    # all-reduce waiting, or gloo's accept failed and std::terminate killed the rank (SIGABRT).
+    from torchrun_helpers import run_torchrun
+
+    for _ in range(2):
+        proc = run_torchrun(4, ["tests/torchrun_abort_churn.py", str(tmp_path)], timeout=240)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        for rank in range(4):
+            row = json.loads((tmp_path / f"rank-{rank}.json").read_text())
+            if rank != 3:
+                assert row["raised"] is not None and row["ended_s"] < 1.5 + 2.0, row
+            assert row["relaunch_sums"] == [4.0, 2.0], row
+
+
 def test_listening_skips_a_descriptor_reused_for_another_socket(monkeypatch: pytest.MonkeyPatch) -> None:
     # Between reading /proc/self/fd and duplicating a descriptor, the socket may close and its
     # number be reused for another socket: that one must not be reported under the old inode.
@@ -150,3 +168,63 @@ def test_listening_skips_a_descriptor_reused_for_another_socket(monkeypatch: pyt
         assert abort.listening() == {real: ("0100007F", listener.getsockname()[1])}
     finally:
         listener.close()
+
+
+def test_another_threads_event_loop_in_the_slots_is_not_taken_for_a_gloo_loop() -> None:
+    # An event loop another thread opens while a group is made lands in the same free slots: a
+    # selectors server (epoll + listener) and an asyncio loop (epoll + socketpair) were taken
+    # for the group's gloo loop, so gpc.abort() shut down that thread's connections and left
+    # the group's collective waiting (skeptic-34, a thread churning loops during a launch).
+    import asyncio
+    import selectors
+
+    from parallelctx.guard.sockets import FdSlots
+
+    slots = FdSlots.reserve()
+    server = socket.create_server(("127.0.0.1", 0))
+    selector = selectors.EpollSelector()
+    selector.register(server, selectors.EVENT_READ)
+    loop = asyncio.new_event_loop()
+    try:
+        assert slots.gloo_loop() is None
+    finally:
+        loop.close()
+        selector.close()
+        server.close()
+
+
+def test_the_loops_listener_is_the_listening_socket_not_the_lowest_numbered() -> None:
+    # A connection gloo makes after its listener takes a lower descriptor number when another
+    # thread freed one meanwhile; the lowest-numbered socket was noted as the listener, and
+    # abort shut the real listener down: gloo's accept failed with EINVAL and std::terminate
+    # killed the rank (SIGABRT; skeptic-34).
+    import select
+
+    from parallelctx.guard.sockets import GlooLoop
+
+    hole = os.open(os.devnull, os.O_RDONLY)  # a number another thread frees later
+    wake_r, wake_w = os.pipe()  # gloo's wake-up pipe, registered on its loop
+    epoll = select.epoll()
+    listener = socket.create_server(("127.0.0.1", 0))
+    epoll.register(wake_r, select.EPOLLIN)
+    epoll.register(listener.fileno(), select.EPOLLIN)
+    os.close(hole)
+    client, served = pair(listener)  # ``client`` (or ``served``) takes the freed lower number
+    low = client if client.fileno() < served.fileno() else served
+    epoll.register(low.fileno(), select.EPOLLIN)
+    try:
+        assert low.fileno() < listener.fileno()
+        found = GlooLoop.at(epoll.fileno())
+        assert found is not None
+        assert (found.listener_fd, found.listener_inode) == (
+            listener.fileno(),
+            os.fstat(listener.fileno()).st_ino,
+        )
+        assert found.shut_down() == 1  # the connection, never the listener
+        assert listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    finally:
+        epoll.close()
+        for s in (client, served, listener):
+            s.close()
+        os.close(wake_r)
+        os.close(wake_w)

@@ -119,6 +119,22 @@ def test_adopts_an_existing_default_group_and_leaves_it() -> None:
         dist.destroy_process_group()
 
 
+def test_init_global_dist_twice_keeps_the_default_group_gpcs() -> None:
+    # The second call used to adopt the group the first made: destroy() then left it alive, and
+    # the next launch failed on a stale group name (skeptic-34).
+    gpc.load_config({"seed": 3})
+    gpc.init_global_dist(0, 1, "gloo")
+    world = dist.group.WORLD
+    gpc.init_global_dist(0, 1, "gloo")
+    assert dist.group.WORLD is world and gpc.launched.owns_default_group
+    gpc.init_parallel_groups()
+    gpc.destroy()
+    assert not dist.is_initialized(), "the default group gpc made is torn down by destroy()"
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    assert gpc.get_world_size(ParallelMode.GLOBAL) == 1
+    gpc.destroy()
+
+
 def test_seed_streams(launched) -> None:
     seeds = {m: gpc.get_seed(m) for m in ParallelMode}
     assert len(set(seeds.values())) == len(seeds)

@@ -54,10 +54,20 @@ def record(order: int, fault: str, seconds: float, message: str) -> None:
     RESULTS.append({"order": order, "fault": fault, "seconds": round(seconds, 1), "message": message})
 
 
-def start(rank: int, world: int, port: int, config: dict | None = None, **kwargs) -> subprocess.Popen:
+def start(
+    rank: int, world: int, port: int, config: dict | None = None, env: dict | None = None, **kwargs
+) -> subprocess.Popen:
     cfg = {"dist": {"timeout": TIMEOUT}, **(config or {})}
     argv = [sys.executable, WORKER, str(rank), str(world), str(port), json.dumps(cfg), json.dumps(kwargs)]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    environ = {k: v for k, v in os.environ.items() if k != "TORCH_GLOO_LAZY_INIT"}
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**environ, **(env or {})},
+    )
 
 
 def wait_ready(proc: subprocess.Popen) -> None:
@@ -118,6 +128,21 @@ def test_ranks_running_another_parallelctx_release_are_refused_by_name() -> None
     for res in results:
         assert res["type"] == "RendezvousError", res
         assert "parallelctx_version" in res["error"] and "'0.1.0.dev9' on rank 1" in res["error"], res
+        assert res["seconds"] < TIMEOUT, res  # refused at the exchange, not by the timeout
+
+
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_one_rank_with_its_own_torch_gloo_lazy_init_is_refused_by_name(value: str) -> None:
+    # Gloo ranks that connect a group as it is made and ranks that wait for its first collective
+    # never meet: torch 2.13 crashed with SIGSEGV in the eager ranks (skeptic-34). The launch
+    # agreement compares the variable as torch reads it.
+    port = free_port()
+    procs = [start(r, 3, port, env={"TORCH_GLOO_LAZY_INIT": value} if r == 1 else None) for r in range(3)]
+    results = [result(p) for p in procs]
+    shown = "True" if value == "1" else "False"
+    for res in results:
+        assert res["type"] == "RendezvousError", res
+        assert f"env.TORCH_GLOO_LAZY_INIT: None on ranks 0, 2; {shown} on rank 1" in res["error"], res
         assert res["seconds"] < TIMEOUT, res  # refused at the exchange, not by the timeout
 
 

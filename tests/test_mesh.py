@@ -182,6 +182,24 @@ def test_a_missing_group_is_refused() -> None:
 
 
 # --------------------------------------------------------------------------- multi-process
+def test_the_mesh_is_built_once_across_the_step_methods() -> None:
+    # gpc.device_mesh is "built once": the step methods after launch (set_seed, which the pytest
+    # plugin calls before every test on a kept gpc; set_device; detect_num_processes_on_current_node;
+    # load_config) gave a new mesh each time since the redesign (skeptic-34).
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    try:
+        dense, expert = gpc.device_mesh, gpc.expert_device_mesh
+        gpc.set_seed(5)
+        gpc.set_device()
+        gpc.detect_num_processes_on_current_node()
+        gpc.load_config({"seed": 5})
+        assert gpc.device_mesh is dense and gpc.expert_device_mesh is expert
+        gpc.init_parallel_groups()  # new groups: a new mesh on them
+        assert gpc.device_mesh is not dense
+    finally:
+        gpc.destroy()
+
+
 def _probe(group: Any, world: int, rank: int) -> tuple[list[int], list[int]]:
     """Members of ``group`` and their group-rank order, by tests/probes.py's collectives."""
     probed = probe_group(group, world, rank)

@@ -119,22 +119,36 @@ class GlooLoop:
 
     @classmethod
     def at(cls, fd: int, known: Collection[int] = ()) -> GlooLoop | None:
-        """Return the gloo loop whose epoll descriptor is ``fd``: an epoll whose first registered
-        socket (gloo registers its listener before any connection) has an inode not in ``known``
-        (the listeners of loops found before); else None. A TCPStore server's libuv loop looks
-        the same: reserve the slots after the launch's store exists. Never raises."""
+        """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers gloo's
+        wake-up pipe and a listening TCP socket (its listener) whose inode is not in ``known``
+        (the listeners of loops found before); else None. Another thread's event loop opened
+        meanwhile in the same slots (a ``selectors`` or asyncio server: no pipe registered) is
+        not taken for it; a TCPStore server's libuv loop looks the same: reserve the slots after
+        the launch's store exists. Never raises."""
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
                 return None
         except OSError:
             return None
-        for tfd, inode in sorted(_registered(fd)):  # the listener precedes the group's connections
+        registered = sorted(_registered(fd))
+        links: dict[int, str] = {}
+        for tfd, _ in registered:
             try:
-                if os.readlink(f"/proc/self/fd/{tfd}") != f"socket:[{inode}]":
-                    continue  # gloo's wake-up pipe
+                links[tfd] = os.readlink(f"/proc/self/fd/{tfd}")
             except OSError:
                 continue
-            return None if inode in known else cls(fd, tfd, inode)
+        if not any(link.startswith("pipe:") for link in links.values()):
+            return None  # no wake-up pipe: not gloo's loop
+        for tfd, inode in registered:
+            if links.get(tfd) != f"socket:[{inode}]":
+                continue
+            if inode in known:
+                return None  # a loop found before
+            # The listener is the listening socket, not the lowest-numbered one: a connection made
+            # later takes a lower number when another thread freed it meanwhile, and shutting the
+            # listener down at abort made gloo's accept fail (EINVAL: std::terminate, SIGABRT).
+            if endpoint_of(tfd, inode) is not None:
+                return cls(fd, tfd, inode)
         return None
 
     @property

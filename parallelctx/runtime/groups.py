@@ -54,6 +54,7 @@ __all__ = [
     "connects_at_creation",
     "create_groups",
     "creation_order",
+    "gloo_lazy_env",
     "lazy_gloo",
     "local_sync_blocker",
 ]
@@ -133,12 +134,27 @@ def lazy_gloo(enabled: bool) -> Iterator[None]:
         os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
 
 
+def gloo_lazy_env() -> bool | str | None:
+    """``TORCH_GLOO_LAZY_INIT`` as torch reads it (c10d's ``getCvarBool``): None when unset, True
+    or False, or the value itself when torch would refuse it. Every rank must launch with the
+    same (the launch agreement compares it): gloo ranks that connect as a group is made and ranks
+    that wait for its first collective do not meet, and torch 2.13 crashed (SIGSEGV) there."""
+    raw = os.environ.get("TORCH_GLOO_LAZY_INIT")
+    if raw is None:
+        return None
+    value = raw.lower()
+    if value in ("y", "yes", "1", "t", "true"):
+        return True
+    if value in ("n", "no", "0", "f", "false"):
+        return False
+    return raw
+
+
 def connects_at_creation(backend: str | None) -> bool:
     """True when a group made now on ``backend`` (None: the default group's) connects all its
     pairs as it is made: gloo without ``TORCH_GLOO_LAZY_INIT`` in effect."""
     name = backend if backend is not None else (str(dist.get_backend()) if dist.is_initialized() else "")
-    lazy = os.environ.get("TORCH_GLOO_LAZY_INIT", "").strip().lower() in ("1", "true", "yes", "on")
-    return name == "gloo" and not lazy
+    return name == "gloo" and gloo_lazy_env() is not True
 
 
 class GroupMaker:

@@ -630,5 +630,6 @@ def disagreement(arrivals: Sequence[Arrival]) -> str | None:
         f"on {len(lines)} key{'s' if len(lines) > 1 else ''}:\n"
         + "\n".join(lines)
         + "\ngive every rank the same config (parallel, dist and seed sections), the same launch() "
-        "arguments (seed=, backend=, timeout=) and the same parallelctx and torch versions"
+        "arguments (seed=, backend=, timeout=), the same parallelctx and torch versions and the "
+        "same TORCH_GLOO_LAZY_INIT (env.* keys: environment variables)"
     )

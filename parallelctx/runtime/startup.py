@@ -37,7 +37,7 @@ from ..guard.recorder import DryRun
 from ..planning.layout import Layout, LayoutError, ParallelMode
 from ..planning.simulation import parse_simulate
 from . import rendezvous
-from .groups import GroupMaker, ModeGroup, create_groups
+from .groups import GroupMaker, ModeGroup, create_groups, gloo_lazy_env
 from .meetings import DefaultGroup, Meetings, init_default_group
 from .mesh import build_device_mesh
 from .rendezvous import Arrival
@@ -110,6 +110,21 @@ class Launched:
     eager: bool = False  # the default group connected as it was made (no settle since)
     meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def replace(self, **changes: Any) -> Launched:
+        """Return this value with ``changes`` (fields by name), keeping the device meshes built
+        so far while the layout, the groups and the device type stay: ``gpc.device_mesh`` stays
+        the one mesh across ``gpc.set_seed()`` (the pytest plugin's kept launches) and the other
+        step methods.
+
+        Raises:
+            TypeError: a name that is no field.
+        """
+        new = dataclasses.replace(self, **changes)
+        same = new.layout is self.layout and new.groups is self.groups
+        if same and new.device.type == self.device.type:
+            new.meshes.update(self.meshes)
+        return new
+
     def device_mesh(self, grid: str = "dense") -> Any:
         """Return the ``DeviceMesh`` of ``grid`` (``"dense"``: ``pp``, ``dp``, ``cp``, ``tp``;
         ``"expert"``: ``pp``, ``edp``, ``ep``, ``etp``) over this world's groups, built once
@@ -151,8 +166,8 @@ class Launched:
     def met(self, rank: int, world_size: int, default: DefaultGroup) -> Launched:
         """Return this value with the meeting's result: rank ``rank`` of ``world_size`` on
         ``default`` (its host names kept unless it gathered none)."""
-        return dataclasses.replace(
-            self, rank=rank, world_size=world_size, backend=default.backend, timeout=default.timeout,
+        return self.replace(
+            rank=rank, world_size=world_size, backend=default.backend, timeout=default.timeout,
             owns_default_group=default.owned, store=default.store, hostnames=default.hostnames or self.hostnames,
             eager=default.eager,
         )  # fmt: skip
@@ -196,9 +211,7 @@ class Launched:
         groups = create_groups(layout, self.rank, maker, cpu_backend)
         maker.settle("launch")
         notes = (*self.notes, *maker.made)
-        return dataclasses.replace(
-            self, layout=layout, groups=groups, group_calls=maker.calls, notes=notes, eager=False
-        )
+        return self.replace(layout=layout, groups=groups, group_calls=maker.calls, notes=notes, eager=False)
 
     def with_hosts(self) -> Launched:
         """Return this value with every rank's host name (the meeting's, else one all-gather over
@@ -209,7 +222,7 @@ class Launched:
         """
         hostnames = host_names(self.hostnames, self.world_size, self.groups[ParallelMode.GLOBAL].cpu_group)
         local = local_rank_of(hostnames, self.rank)[0] if self.local_rank is None else self.local_rank
-        return dataclasses.replace(self, hostnames=hostnames, local_rank=local)
+        return self.replace(hostnames=hostnames, local_rank=local)
 
     def with_device(self, local_rank: int | None = None) -> Launched:
         """Return this value with the device :func:`pick_device` picks for ``local_rank``
@@ -219,7 +232,7 @@ class Launched:
             ValueError: CUDA is available but no local rank is known.
         """
         local = self.local_rank if local_rank is None else local_rank
-        return dataclasses.replace(self, local_rank=local, device=pick_device(local))
+        return self.replace(local_rank=local, device=pick_device(local))
 
     def with_streams(self, seed: Any = None) -> Launched:
         """Return this value with seeded RNG streams (``seed``: the config's by default;
@@ -231,9 +244,7 @@ class Launched:
         if self.layout is None or self.config is None:
             raise ValueError("the seeds need the layout: make the groups first")
         base = self.config.seed if seed is None else seed
-        return dataclasses.replace(
-            self, streams=make_streams(self.layout, self.rank, base, self.device), seed=base
-        )
+        return self.replace(streams=make_streams(self.layout, self.rank, base, self.device), seed=base)
 
 
 # ------------------------------------------------------------------------------ the steps
@@ -257,8 +268,9 @@ def agreed_values(
 ) -> dict[str, Any]:
     """Return what every rank must launch with, as flat dotted keys: the config's parallel and
     dist sections (init_method aside: ranks may name rank 0's host differently), the seed, the
-    layout, the world size and the versions of parallelctx and torch (the running modules'
-    own ``__version__``: reading the installed metadata cost milliseconds per launch)."""
+    layout, the world size, ``TORCH_GLOO_LAZY_INIT`` as torch reads it (:func:`gloo_lazy_env`)
+    and the versions of parallelctx and torch (the running modules' own ``__version__``: reading
+    the installed metadata cost milliseconds per launch)."""
     values: dict[str, Any] = {}
 
     def flat(prefix: str, value: Any) -> None:
@@ -276,6 +288,9 @@ def agreed_values(
     values["seed"] = seed
     values["layout"] = layout.describe()
     values["world_size"] = world_size
+    # Whether gloo groups connect as made or at their first collective: ranks that differ never
+    # meet (torch 2.13 crashed with SIGSEGV in the eager ranks), so it is agreed like the config.
+    values["env.TORCH_GLOO_LAZY_INIT"] = gloo_lazy_env()
     # The package module is imported before any of its modules; its version is read, not imported.
     values["parallelctx_version"] = sys.modules[__name__.partition(".")[0]].__version__
     values["torch_version"] = torch.__version__
