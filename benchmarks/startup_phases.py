@@ -9,9 +9,9 @@ every rank joins a barrier, launches and builds the collection, and the time eac
 start-up took is recorded on every rank (wall and the calling thread's CPU) by wrapping the
 functions that make it: the checks, the prefix agreement (``agree_launch``), the exchange of
 arrivals, this rank's groups (``new_group`` calls inside), hosts, device, seeds, the bridge's
-groups. After those rounds, in the same job, as many rounds of torch alone making the same groups
+groups. Before each round, in the same job, torch alone makes the same groups
 (``benchmarks.peers.setup_torch_groups``: plain ``new_group`` calls, no config, rendezvous or
-seeds), timed the same way. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
+seeds), timed the same way: both see the same machine and the same groups held. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
 ``--write-results`` writes them into benchmarks/RESULTS.md. The wall time of a rendezvous phase is
 mostly waiting for the last rank to be scheduled; the CPU time is this rank's own work.
 """
@@ -83,32 +83,32 @@ def worker(rounds: int, out: str) -> None:
 
     for owner, name, _ in PHASES:
         timed(owners[owner], name)
+    from .peers import _fresh_names, _held_everywhere, setup_torch_groups
+
     pipeline = max(1, dist.get_world_size() // 4)
-    kept: list[Any] = []
     rows = []
-    for index in range(rounds):
+    for _ in range(rounds):
+        # the floor first, in the same job and round: torch alone making the same groups
+        dist.barrier()
+        t, c = time.perf_counter(), time.thread_time()
+        built = setup_torch_groups(2, pipeline)
+        alone = [time.perf_counter() - t, time.thread_time() - c]
+        dist.barrier()
+        built.teardown()  # keeps one-rank groups: the next groups get fresh names
         spent.clear()
         dist.barrier()
         t, c = time.perf_counter(), time.thread_time()
         parallelctx.launch_from_torch({"parallel": {"tensor": 2, "pipeline": pipeline}})
         bridge.process_groups()
         spent["total"] = [time.perf_counter() - t, time.thread_time() - c]
+        spent["torch_alone"] = alone
         rows.append(dict(spent))
         dist.barrier()
+        held = _held_everywhere()
         gpc.destroy()
         # torch names a locally synchronized group by the groups the process holds: one-rank groups
         # kept alive give the next round fresh names (parallelctx refuses to reuse destroyed ones)
-        while len(dist.distributed_c10d._world.pg_names) <= 40 + 10 * index:
-            kept.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
-    from .peers import setup_torch_groups
-
-    for index in range(rounds):  # the floor: torch alone, the same groups, in this job
-        dist.barrier()
-        t, c = time.perf_counter(), time.thread_time()
-        built = setup_torch_groups(2, pipeline)
-        rows[index]["torch_alone"] = [time.perf_counter() - t, time.thread_time() - c]
-        dist.barrier()
-        built.teardown()
+        _fresh_names(held)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, rows[1:])
     if dist.get_rank() == 0:
