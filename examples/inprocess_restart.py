@@ -189,7 +189,9 @@ def summarize(rows: list[dict], replaced: list[dict], args: argparse.Namespace) 
 
     survivors = [r for r in range(args.world) if r != 3]
     hang = first("hang")
-    abort = min(first("abort", rank=r) for r in survivors)
+    # the first survivor to abort; a survivor whose own report had not come yet is woken by that
+    # abort (its all-reduce raises: a peer closed the connection) and has no abort of its own
+    abort = min(r["t"] for r in rows if r["event"] == "abort" and r["rank"] in survivors)
     raised = max(first("raised", rank=r) for r in survivors)
     destroyed = max(r["seconds"] for r in rows if r["event"] == "destroyed")
     relaunched = last("launched", life=2)
