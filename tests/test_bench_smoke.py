@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("matplotlib")
 
 
+@pytest.mark.bench
 def test_benchmarks_run_once_and_print_tables(tmp_path: Path) -> None:
     """The whole entry point at world 4, one round, two small simulated worlds."""
     cmd = [
@@ -123,6 +124,7 @@ def test_megatron_bridge_pgc_table_shows_the_torch_floor_from_its_own_job() -> N
     assert "torch alone" not in table([run], {}, "bridge_pgc")
 
 
+@pytest.mark.bench
 def test_the_issue_34_benchmarks_run_once_and_print_tables() -> None:
     """many_fds (a hundred descriptors, 3 rounds) and startup_phases (2 ranks, 2 rounds)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
