@@ -18,7 +18,6 @@ but the fault test's ratio bound (tests/test_layers.py, marker faults).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import resource
@@ -154,17 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     if args.write_results:
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-        section = (
-            "## Launch and abort with many open descriptors (issue 34)\n\n"
-            f"Written by `python -m benchmarks.many_fds {' '.join(argv or sys.argv[1:])}` on {now} (load average "
-            f"{load} after the run; {os.cpu_count()} CPU cores, gloo). Each group's gloo event loop is noted "
-            "once, when the group is made, from the descriptor slots it opened; abort reaches a group's "
-            "connections through that loop. Neither looks at the other descriptors a process holds.\n\n"
-            f"{body}\n"
+        sections.write_run(
+            ROOT / "benchmarks" / "RESULTS.md",
+            "many_fds",
+            "Launch and abort with many open descriptors (issue 34)",
+            f"python -m benchmarks.many_fds {' '.join(argv or sys.argv[1:])}",
+            "Each group's gloo event loop is noted once, when the group is made, from the descriptor "
+            "slots it opened; abort reaches a group's connections through that loop. Neither looks at "
+            "the other descriptors a process holds.",
+            body,
         )
-        sections.write_section(ROOT / "benchmarks" / "RESULTS.md", "many_fds", section)
     return 0
 
 

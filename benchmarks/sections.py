@@ -7,6 +7,8 @@ lets ``benchmarks.run`` keep every section when it rewrites the file.
 
 from __future__ import annotations
 
+import datetime
+import os
 import re
 from pathlib import Path
 
@@ -30,6 +32,19 @@ def write_section(results: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     results.write_text(text)
+
+
+def write_run(results: Path, name: str, heading: str, command: str, about: str, body: str) -> None:
+    """Write the section of ``benchmarks.<name>`` (:func:`write_section`): ``heading``, the
+    ``command`` that wrote it with the time, the load average after the run and the core count,
+    then ``about`` (what was measured) and ``body`` (the table)."""
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    section = (
+        f"## {heading}\n\nWritten by `{command}` on {now} (load average {load} after the run; "
+        f"{os.cpu_count()} CPU cores, gloo). {about}\n\n{body}\n"
+    )
+    write_section(results, name, section)
 
 
 def kept_sections(text: str) -> list[str]:

@@ -19,7 +19,6 @@ mostly waiting for the last rank to be scheduled; the CPU time is this rank's ow
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -191,18 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     body = table(results, args.nproc)
     print(body)
     if args.write_results:
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
-        section = (
-            "## Where the start-up's time goes (issue 34)\n\n"
-            f"Written by `python -m benchmarks.startup_phases {' '.join(argv or sys.argv[1:])}` on {now} "
-            f"(load average {load} after the run; {os.cpu_count()} CPU cores, gloo). `launch_from_torch` + "
-            "`parallelctx.megatron.process_groups()` on an existing default group, each phase timed on every "
-            "rank (wall, and the calling thread's CPU). A rendezvous round's wall time is mostly waiting "
-            "for the last of the ranks to be scheduled; its CPU is this rank's own requests.\n\n"
-            f"{body}\n"
+        sections.write_run(
+            ROOT / "benchmarks" / "RESULTS.md",
+            "startup_phases",
+            "Where the start-up's time goes (issue 34)",
+            f"python -m benchmarks.startup_phases {' '.join(argv or sys.argv[1:])}",
+            "`launch_from_torch` + `parallelctx.megatron.process_groups()` on an existing default group, "
+            "each phase timed on every rank (wall, and the calling thread's CPU). A rendezvous round's "
+            "wall time is mostly waiting for the last of the ranks to be scheduled; its CPU is this "
+            "rank's own requests.",
+            body,
         )
-        sections.write_section(ROOT / "benchmarks" / "RESULTS.md", "startup_phases", section)
     return 0
 
 
