@@ -152,9 +152,10 @@ class ParallelContext(ModeViews):
     ) -> None:
         """Make (or adopt) the default group, after meeting every rank at ``init_method`` or
         ``tcp://host:port`` (:func:`parallelctx.runtime.meetings.init_default_group`;
-        ``backend="auto"``: nccl with CUDA, else gloo); a no-op when gpc made it already. Raises LaunchArgumentError (a ValueError)
-        for a bad argument, RuntimeError when torch.distributed has another rank or world size,
-        RendezvousError when a rank did not arrive in time or the ranks disagree."""
+        ``backend="auto"``: nccl with CUDA, else gloo); a no-op when gpc made it already. Raises
+        LaunchArgumentError (a ValueError) for a bad argument, RuntimeError when torch.distributed
+        has another rank or world size, RendezvousError when a rank did not arrive in time or the
+        ranks disagree."""
         given = dict(rank=rank, world_size=world_size, host=host, port=port, timeout=timeout, backend=backend)
         args = validate_launch_args(**given, init_method=init_method, need_address=not dist.is_initialized())
         v = self._launched
