@@ -98,7 +98,11 @@ def test_launch_and_abort_cost_no_more_with_18000_open_descriptors() -> None:
     for rank in result["ranks"]:
         opened = {row["open_after"] for row in rank["rounds"]}
         assert len(opened) == 1, f"descriptors left open after destroy grow: {rank}"  # nothing leaks
-        assert all(row["shut"] > 0 for row in rank["rounds"]), "abort shut down no connection"
+    # Every rank aborts at about the same time: a rank whose peers aborted first may find every
+    # connection already closed by them (0 shut; 1 round in about 60 here), but the first rank to
+    # abort in a round finds them open, so every round shuts some down on some rank.
+    shut = [[row["shut"] for row in rank["rounds"]] for rank in result["ranks"]]
+    assert all(sum(column) > 0 for column in zip(*shut)), f"an abort round shut down no connection: {shut}"
     for key in ("launch_cpu", "abort_cpu"):
         assert result[key]["ratio"] <= 1.2, (key, result[key])
 
