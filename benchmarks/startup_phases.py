@@ -7,8 +7,8 @@ Starts itself under torchrun (``--standalone``, gloo, tensor 2, pipeline 4 at 16
 with lazy gloo (``TORCH_GLOO_LAZY_INIT=1``: pairs connect on first use) and once eager. Each round
 every rank joins a barrier, launches and builds the collection, and the time each phase of the
 start-up took is recorded on every rank (wall and the calling thread's CPU) by wrapping the
-functions that make it: the checks, the prefix agreement (``agree_launch``), the exchange of
-arrivals, this rank's groups (``new_group`` calls inside), hosts, device, seeds, the bridge's
+functions that make it: the checks, the meeting (``meet``: the launch's key prefix and every
+rank's arrival in one round trip), this rank's groups (``new_group`` calls inside), hosts, device, seeds, the bridge's
 groups. Before each round, in the same job, torch alone makes the same groups
 (``benchmarks.peers.setup_torch_groups``: plain ``new_group`` calls, no config, rendezvous or
 seeds), timed the same way: both see the same machine and the same groups held. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
@@ -35,8 +35,7 @@ from . import sections
 ROOT = Path(__file__).resolve().parent.parent
 PHASES = [
     ("startup", "_checked", "checks (config, arguments, layout)"),
-    ("meetings", "agree_launch", "prefix agreement (rendezvous round)"),
-    ("meetings", "exchange", "exchange of arrivals (rendezvous round)"),
+    ("meetings", "meet", "the meeting: prefix and arrivals (one rendezvous round)"),
     ("Launched", "with_groups", "this rank's groups"),
     ("GroupMaker", "new_group", "  of which torch's new_group + noting the gloo loop"),
     ("Launched", "with_hosts", "hosts, local rank"),

@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallelctx.rendezvous import Arrival, RendezvousError, agree_launch, exchange
+from parallelctx.rendezvous import Arrival, RendezvousError, agree_launch, meet
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -34,26 +34,18 @@ def one_round(
     world: int,
     attempt: int,
     late: dict[int, float],
-    agree: bool = True,
     timeout: timedelta = TIMEOUT,
 ) -> list:
-    """Every rank (a fresh thread with its own client) agrees a prefix (or takes the old fixed
-    one) and exchanges an Arrival holding ``attempt``; returns (prefix, arrivals) per rank."""
+    """Every rank (a fresh thread with its own client) meets with an Arrival holding ``attempt``
+    (in its values and its host name); returns (prefix, host names) per rank."""
     results: list = [None] * world
 
     def rank_main(rank: int) -> None:
         time.sleep(late.get(rank, 0.0))
         store = client(server)
         try:
-            prefix = agree_launch(store, rank, world, timeout, "test") if agree else "parallelctx/launch-1"
-            arrivals = exchange(
-                dist.PrefixStore(prefix, store),
-                Arrival(rank, "h", {"attempt": attempt}),
-                world,
-                timeout,
-                "test",
-            )
-            results[rank] = (prefix, [a.values["attempt"] for a in arrivals])
+            arrival = Arrival(rank, f"h{attempt}", {"attempt": attempt})
+            results[rank] = meet(store, arrival, world, timeout, "test")
         except Exception as exc:  # recorded, the test asserts on it
             results[rank] = exc
 
@@ -67,23 +59,14 @@ def one_round(
 
 def test_a_restarted_launch_reads_no_key_of_the_attempt_before(server: dist.TCPStore) -> None:
     first = one_round(server, 4, attempt=0, late={})
-    assert all(r == ("parallelctx/launch-1/", [0, 0, 0, 0]) for r in first), first
+    assert all(r == ("parallelctx/launch-1/", ["h0"] * 4) for r in first), first
     # The restart: ranks 1-3 come first and find attempt 0's prefix, confirmation and arrivals
     # on the store; rank 0 comes 0.5 s later.
     second = one_round(server, 4, attempt=1, late={0: 0.5})
-    assert all(r == ("parallelctx/launch-2/", [1, 1, 1, 1]) for r in second), second
+    assert all(r == ("parallelctx/launch-2/", ["h1"] * 4) for r in second), second
     # In-process restart: ranks 0-2 relaunch while rank 3 is a new process that comes late.
     third = one_round(server, 4, attempt=2, late={3: 0.3})
-    assert all(r == ("parallelctx/launch-3/", [2, 2, 2, 2]) for r in third), third
-
-
-def test_the_fixed_prefix_of_before_reads_the_earlier_attempt(server: dist.TCPStore) -> None:
-    # What the launch did before issue 21 (a prefix counted per process, launch-1 in every new
-    # process): the restarted ranks read attempt 0's arrivals, or refuse the launch over them.
-    short = timedelta(seconds=2)
-    one_round(server, 3, attempt=0, late={}, agree=False, timeout=short)
-    stale = one_round(server, 3, attempt=1, late={0: 0.3}, agree=False, timeout=short)
-    assert any(isinstance(r, Exception) or 0 in r[1] for r in stale), stale
+    assert all(r == ("parallelctx/launch-3/", ["h2"] * 4) for r in third), third
 
 
 def test_a_missing_rank_is_named_on_every_rank(server: dist.TCPStore) -> None:
@@ -112,3 +95,60 @@ def test_rank_0_missing_is_named(server: dist.TCPStore) -> None:
     with pytest.raises(RendezvousError, match="rank 0 of world_size=2 did not arrive") as info:
         agree_launch(client(server), 1, 2, timedelta(seconds=1), "here")
     assert info.value.ranks == (0,)
+
+
+def meet_all(
+    server: dist.TCPStore, arrivals: list[Arrival], late: dict[int, float], timeout: timedelta
+) -> list:
+    """Every rank of ``arrivals`` meets from its own thread and client; returns each rank's
+    result or exception."""
+    results: list = [None] * len(arrivals)
+
+    def rank_main(rank: int) -> None:
+        time.sleep(late.get(rank, 0.0))
+        try:
+            results[rank] = meet(client(server), arrivals[rank], len(arrivals), timeout, "test")
+        except Exception as exc:  # recorded, the test asserts on it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(arrivals))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_a_refusal_reaches_every_rank_also_one_that_answers_after_it(server: dist.TCPStore) -> None:
+    # Rank 2 refuses at once; rank 3 answers 1 s later, after rank 0 has posted the refusal: it
+    # must still be told (rank 0 posts the refusal again with its nonce), not wait for its timeout.
+    arrivals = [Arrival(r, "h", {"a": 1}) for r in range(4)]
+    arrivals[2] = Arrival(2, "h", {"a": 1}, error="seed=-1 is negative")
+    begin = time.monotonic()
+    results = meet_all(server, arrivals, {3: 1.0}, timedelta(seconds=15))
+    assert time.monotonic() - begin < 8, results
+    assert results[2][0] == "parallelctx/launch-1/", results  # the refusing rank returns: it was told
+    for r in (0, 1, 3):
+        assert isinstance(results[r], RendezvousError), results
+        assert results[r].ranks == (2,), results
+        assert "rank 2 (host h) refused to launch, so every rank stops: seed=-1 is negative" in str(
+            results[r]
+        )
+
+
+def test_an_earlier_refusal_does_not_refuse_the_next_launch(server: dist.TCPStore) -> None:
+    refused = [Arrival(0, "h", {"a": 1}), Arrival(1, "h", {"a": 1}, error="bad"), Arrival(2, "h", {"a": 1})]
+    first = meet_all(server, refused, {}, timedelta(seconds=15))
+    assert isinstance(first[0], RendezvousError) and isinstance(first[2], RendezvousError), first
+    # The relaunch: ranks 1 and 2 find the earlier launch's refusal on the store first.
+    second = meet_all(server, [Arrival(r, "h", {"a": 2}) for r in range(3)], {0: 0.5}, timedelta(seconds=15))
+    assert all(r == ("parallelctx/launch-2/", ["h", "h", "h"]) for r in second), second
+
+
+def test_ranks_that_disagree_are_named_on_every_rank(server: dist.TCPStore) -> None:
+    arrivals = [Arrival(r, "h", {"parallel.tensor": 2 if r != 1 else 4}) for r in range(3)]
+    results = meet_all(server, arrivals, {}, timedelta(seconds=15))
+    for r in range(3):
+        assert isinstance(results[r], RendezvousError), results
+        assert results[r].ranks == (1,), results
+        assert "parallel.tensor: 2 on ranks 0, 2; 4 on rank 1" in str(results[r]), results

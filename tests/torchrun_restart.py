@@ -36,20 +36,20 @@ def _die() -> None:
 
 
 def _record_prefixes(seen: list[str]) -> None:
-    """Wrap parallelctx's agree_launch wherever it was imported, to record the agreed prefix."""
+    """Wrap parallelctx's rendezvous meet wherever it was imported, to record the agreed prefix."""
     from parallelctx import rendezvous
 
-    original = rendezvous.agree_launch
+    original = rendezvous.meet
 
     def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
-        prefix = original(*args, **kwargs)
+        prefix, hosts = original(*args, **kwargs)
         seen.append(prefix)
-        return prefix
+        return prefix, hosts
 
     for module in list(sys.modules.values()):
         name = getattr(module, "__name__", "") or ""
-        if name.startswith("parallelctx") and getattr(module, "agree_launch", None) is original:
-            module.agree_launch = recording  # type: ignore[attr-defined]
+        if name.startswith("parallelctx") and getattr(module, "meet", None) is original:
+            module.meet = recording  # type: ignore[attr-defined]
 
 
 def _plain(out: Path, attempt: int, rank: int, kill: dict | None) -> int:

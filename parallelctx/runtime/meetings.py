@@ -1,13 +1,13 @@
 """Where the ranks of a launch meet: the rendezvous store of each address (kept across
 ``destroy()``), the refusal a rank that failed its own checks posts there, and the default group
-made (or adopted) after the one exchange of the launch.
+made (or adopted) after the launch's one round trip.
 
 :class:`Meetings` is the part of a process's launches that outlives ``destroy()``: the stores by
 URL (rank 0 serves a ``tcp://`` one and keeps it), the names of the groups made on a default group
 that parallelctx adopted (torch names those by count: :meth:`GroupMaker.claim
 <parallelctx.runtime.groups.GroupMaker>`), and the refusal still being told. Every launch meets
 under a key prefix all ranks agree no earlier launch on the store used
-(:func:`parallelctx.rendezvous.agree_launch`), so a relaunch works also when some processes are new
+(:func:`parallelctx.rendezvous.meet`), so a relaunch works also when some processes are new
 (a torchrun restart, a replaced rank). :func:`init_default_group` is the real meeting; the dry
 run's is :func:`parallelctx.runtime.simulate.meet`.
 """
@@ -31,7 +31,7 @@ from ..guard.abort import AbortableStore
 from ..guard.core import Guard
 from ..guard.sockets import FdSlots
 from .groups import connects_at_creation
-from .rendezvous import Arrival, agree_launch, connect_store, exchange, rank_list
+from .rendezvous import Arrival, connect_store, meet, rank_list
 
 __all__ = ["REFUSAL_GRACE_S", "DefaultGroup", "Meetings", "init_default_group", "url_of"]
 
@@ -98,8 +98,7 @@ class Meetings:
         url = url_of(args)
         begin = time.monotonic()
         try:
-            store = self.store(url, args.rank, args.world_size, timeout, deadline)
-            exchange(store, arrival, args.world_size, timeout, shown(url), deadline)
+            self.meet(url, arrival, args.world_size, timeout, deadline)
         except Exception as exc:
             ranks = getattr(exc, "ranks", ())
             if ranks:
@@ -137,14 +136,20 @@ class Meetings:
         except KeyboardInterrupt:
             pass
 
-    def store(self, url: str, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
-        """Return the store this launch meets on: ``url``'s store (reached once with a bounded,
-        interruptible wait, then kept) under the prefix the ranks agreed is new.
+    def meet(
+        self, url: str, arrival: Arrival, world_size: int, timeout: timedelta, deadline: float
+    ) -> tuple[Any, list[str]]:
+        """Meet every rank at ``url``'s store (reached once with a bounded, interruptible wait,
+        then kept) in the launch's one round trip (:func:`parallelctx.rendezvous.meet`).
+
+        Returns:
+            The store under the prefix the ranks agreed is new, and every rank's host name.
 
         Raises:
-            RendezvousError: the store did not answer before ``deadline``, its port is taken, or
-                a rank did not take part in the agreement in time.
+            RendezvousError: the store did not answer before ``deadline``, its port is taken, a
+                rank did not come in time, one refused, or the ranks disagree.
         """
+        rank = arrival.rank
         key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
@@ -152,28 +157,33 @@ class Meetings:
             self._stores[key] = base
         base.set_timeout(timeout)
         kv = self._kv = AbortableStore(base, self.aborted)
-        prefix = agree_launch(kv, rank, world_size, timeout, shown(url), deadline)
+        prefix, hosts = meet(kv, arrival, world_size, timeout, shown(url), deadline)
         meeting = dist.PrefixStore(prefix, kv)
         self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
-        return meeting
+        return meeting, hosts
 
     def plain(self, store: Any) -> Any:
-        """Return the store torch's groups get for ``store`` (from :meth:`store`): the same keys
+        """Return the store torch's groups get for ``store`` (from :meth:`meet`): the same keys
         without the refusal after ``gpc.abort()``, so that torch's own threads never call into
         Python. Any other store is returned as it is."""
         return self._plain.get(id(store), store)
 
-    def adopted_store(self, rank: int, world_size: int, timeout: timedelta, deadline: float) -> Any:
-        """Return the adopted default group's store under the prefix the ranks agreed is new.
+    def meet_adopted(
+        self, arrival: Arrival, world_size: int, timeout: timedelta, deadline: float
+    ) -> tuple[Any, list[str]]:
+        """Meet every rank on the adopted default group's store (as :meth:`meet`).
+
+        Returns:
+            The store under the prefix the ranks agreed is new, and every rank's host name.
 
         Raises:
-            RendezvousError: a rank did not take part in the agreement in time.
+            RendezvousError: a rank did not come in time, one refused, or the ranks disagree.
         """
         from torch.distributed.distributed_c10d import _get_default_store
 
         kv = self._kv = AbortableStore(_get_default_store(), self.aborted)
-        prefix = agree_launch(kv, rank, world_size, timeout, "the default group's store", deadline)
-        return dist.PrefixStore(prefix, kv)
+        prefix, hosts = meet(kv, arrival, world_size, timeout, "the default group's store", deadline)
+        return dist.PrefixStore(prefix, kv), hosts
 
     def adopted_names(self) -> set[tuple[Any, int]]:
         """Return the set of group names already used on the current adopted default group
@@ -208,7 +218,7 @@ def init_default_group(
     arrival: Arrival | None,
 ) -> DefaultGroup:
     """Meet every rank of ``args`` (checked: :func:`parallelctx.config.args.validate_launch_args`)
-    in one exchange of ``arrival`` on this launch's store, then make the default group on
+    in one round trip on this launch's store, then make the default group on
     ``backend`` (resolved: ``"gloo"`` or ``"nccl"``), held by ``guard`` as soon as it exists;
     or adopt an initialised one with the same rank and world size. A gloo default group connects
     all its pairs as it is made (unless ``TORCH_GLOO_LAZY_INIT`` is set): a rank that dies later
@@ -216,12 +226,12 @@ def init_default_group(
     settles every rank once its groups are made (``DefaultGroup.eager``).
 
     The store of a URL is kept across ``destroy()`` by ``meetings`` (under torchrun it is the
-    launcher's own store, which outlives restarts) and every launch first agrees with every rank
-    on a key prefix no earlier launch on that store used, ``parallelctx/launch-<n>/``; the
-    exchange, the default group and every group made from it keep their keys under it. In the
-    one round trip (:func:`parallelctx.rendezvous.exchange`) each rank posts ``arrival`` and
-    reads the others'; a rank that does not arrive within ``timeout`` is named, and so are ranks
-    that disagree. The host names serve the count of processes per node.
+    launcher's own store, which outlives restarts). In the launch's one round trip
+    (:func:`parallelctx.rendezvous.meet`) every rank posts ``arrival`` under a key prefix no
+    earlier launch on that store used, ``parallelctx/launch-<n>/``, and rank 0 answers with
+    every rank's host name and whether the ranks agree; a rank that does not arrive within
+    ``timeout`` is named, and so are ranks that disagree. The default group and every group made
+    from it keep their keys under that prefix. The host names serve the count of processes per node.
 
     Returns:
         A :class:`DefaultGroup`.
@@ -243,20 +253,17 @@ def init_default_group(
             )
         kv = None
         if arrival is not None and world_size > 1:
-            kv = meetings.adopted_store(rank, world_size, timeout, deadline)
-            arrivals = exchange(kv, arrival, world_size, timeout, "the default group's store", deadline)
-            hostnames = tuple(a.host for a in arrivals)
+            kv, hosts = meetings.meet_adopted(arrival, world_size, timeout, deadline)
+            hostnames = tuple(hosts)
         return DefaultGroup(dist.get_backend(), False, timeout, hostnames, kv)
     if world_size == 1 and args.init_method is None:
         store: Any = dist.HashStore()
         hostnames = (arrival.host,) if arrival is not None else ()
     else:
-        url = url_of(args)
-        store = meetings.store(url, rank, world_size, timeout, deadline)
-        if arrival is not None:
-            hostnames = tuple(
-                a.host for a in exchange(store, arrival, world_size, timeout, shown(url), deadline)
-            )
+        store, hosts = meetings.meet(
+            url_of(args), arrival or Arrival(rank, ""), world_size, timeout, deadline
+        )
+        hostnames = tuple(hosts) if arrival is not None else ()
     slots = FdSlots.reserve()  # after the store: its server's loop is no group's
     eager = world_size > 1 and connects_at_creation(backend)
     dist.init_process_group(

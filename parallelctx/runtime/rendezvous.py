@@ -4,10 +4,11 @@ Every wait here has a deadline (the launch's ``dist.timeout``) and is done in sh
 that Ctrl-C and SIGTERM are acted on within a fraction of a second, and every failure names
 what it waited for: the ranks that never arrived, the host and port, the ranks and keys that
 disagree. :func:`connect_store` reaches (rank 0: serves) the rendezvous store;
-:func:`agree_launch` gives the launch a key prefix no earlier launch on that store used (a store
-outlives its processes under torchrun restarts and in-process restarts); :func:`exchange` is the one round trip in which every rank posts its :class:`Arrival` (host
-name, the values all ranks must agree on, or the error its own checks raised) and reads all
-of them; :func:`disagreement` words what differs.
+:func:`meet` is the one round trip of a launch: every rank posts its :class:`Arrival` (host
+name, the values all ranks must agree on, or the error its own checks raised) under a key
+prefix no earlier launch on that store used (a store outlives its processes under torchrun
+restarts and in-process restarts), and rank 0 answers with one verdict: the prefix confirmed,
+every rank's host name, and what stops the launch; :func:`disagreement` words what differs.
 
 Imports nothing from parallelctx (context.py builds on it).
 """
@@ -37,7 +38,7 @@ __all__ = [
     "agree_launch",
     "connect_store",
     "disagreement",
-    "exchange",
+    "meet",
     "rank_list",
     "settle",
 ]
@@ -189,7 +190,7 @@ def _probe(host: str, port: int) -> bool | None:
 def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any:
     host, port = _address(url)
     if url.startswith("tcp://") and host and port:
-        # rank 0 serves without waiting for the clients: exchange() waits, and names who is missing.
+        # rank 0 serves without waiting for the clients: meet() waits, and names who is missing.
         # Under torchrun the agent already serves a store at MASTER_PORT: rank 0 is a client of it
         # there (as torch's env:// does), instead of a server whose bind fails and is logged.
         agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get(
@@ -295,8 +296,68 @@ def connect_store(
     raise RendezvousError(f"rank {rank} of {world_size}: {cause}", (0,), where) from None
 
 
-# ---------------------------------------------------------------------------- the launch's keys
+# ---------------------------------------------------------------------------- the meeting
 _ROOT = "parallelctx/"
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """What rank 0 posts under a launch's prefix once it has read the answers: each other rank's
+    nonce (``b""`` for a rank not yet answered: only a refusal is posted before every rank
+    answered, and reposted as more answer), every rank's host name, and the problem that stops
+    the launch with the ranks at fault (None, ``()`` when the launch goes on)."""
+
+    nonces: tuple[bytes, ...]
+    hosts: tuple[str, ...]
+    problem: str | None = None
+    culprits: tuple[int, ...] = ()
+
+
+def meet(
+    store: Any,
+    arrival: Arrival,
+    world_size: int,
+    timeout: timedelta,
+    where: str,
+    deadline: float | None = None,
+) -> tuple[str, list[str]]:
+    """Meet every rank of ``world_size`` on ``store`` in one round trip: agree on a key prefix no
+    earlier launch on the store used, and check every rank's ``arrival`` (its values, or the
+    error its own checks raised) against the others'.
+
+    A store outlives the processes that used it: torchrun's agent keeps the store at
+    MASTER_ADDR:MASTER_PORT across ``--max-restarts`` attempts (every attempt's processes are
+    new, and ``TORCHELASTIC_RESTART_COUNT`` differs between agents), and after an in-process
+    restart the survivors keep rank 0's store while a replaced rank is a fresh process. So no
+    rank can tell from its own state which keys are fresh. Rank 0 takes the next number from the
+    store's counter and posts ``parallelctx/launch-<n>/``; every other rank posts its arrival
+    under the prefix it read, with a nonce of its own, and waits until rank 0 confirms that nonce
+    under that prefix. Rank 0 reads every arrival, compares the values and posts one verdict:
+    the nonces, every rank's host name, and what stops the launch (a rank that refused, ranks
+    that disagree). A prefix left by an earlier launch is never confirmed with this process's
+    nonce, so no rank adopts it. A refusal is posted as soon as rank 0 reads it, and posted
+    again as later ranks answer, until every rank has read it or the deadline passes.
+
+    Returns:
+        The prefix (the same on every rank) and every rank's host name in rank order. A rank
+        whose ``arrival.error`` is set returns once every rank was told (or the deadline passed)
+        and does not raise for its own refusal.
+
+    Raises:
+        RendezvousError: a rank did not answer by ``deadline`` (``time.monotonic()``; default now
+            + ``timeout``), another rank refused, the ranks' values differ, or the store went
+            away; the message names the ranks, ``where`` and what to check.
+        KeyboardInterrupt: Ctrl-C while waiting (with a note naming the awaited ranks).
+    """
+    seconds = timeout.total_seconds()
+    deadline = time.monotonic() + seconds if deadline is None else deadline
+    if arrival.rank == 0:
+        prefix, verdict = _lead(store, arrival, world_size, seconds, where, deadline)
+    else:
+        prefix, verdict = _follow(store, arrival, world_size, seconds, where, deadline)
+    if verdict.problem is not None and arrival.error is None:
+        raise RendezvousError(f"launch refused on every rank: {verdict.problem}", verdict.culprits, where)
+    return prefix, list(verdict.hosts)
 
 
 def agree_launch(
@@ -308,17 +369,8 @@ def agree_launch(
     deadline: float | None = None,
 ) -> str:
     """Agree with every rank on a key prefix that no earlier launch on ``store`` used, and return
-    it: ``"parallelctx/launch-<n>/"``, where ``n`` counts the launches this store has seen.
-
-    A store outlives the processes that used it: torchrun's agent keeps the store at
-    MASTER_ADDR:MASTER_PORT across ``--max-restarts`` attempts (every attempt's processes are
-    new, and ``TORCHELASTIC_RESTART_COUNT`` differs between agents), and after an in-process
-    restart the survivors keep rank 0's store while a replaced rank is a fresh process. So no
-    rank can tell from its own state which keys are fresh. Rank 0 takes the next number from
-    the store's counter and posts it; every other rank answers the number it read with a nonce
-    of its own and waits until rank 0 confirms that nonce under that number. A number left by
-    an earlier launch is never confirmed with this process's nonce, so no rank adopts it, and
-    every key the launch reads afterwards lies under the new prefix.
+    it: ``"parallelctx/launch-<n>/"``, where ``n`` counts the launches this store has seen
+    (:func:`meet` without values to compare).
 
     Returns:
         The prefix, the same on every rank.
@@ -328,39 +380,112 @@ def agree_launch(
             now + ``timeout``), or the store went away; the message names the ranks and ``where``.
         KeyboardInterrupt: Ctrl-C while waiting (with a note naming the awaited ranks).
     """
-    seconds = timeout.total_seconds()
-    deadline = time.monotonic() + seconds if deadline is None else deadline
-    if rank == 0:
-        return _lead(store, world_size, seconds, where, deadline)
-    return _follow(store, rank, world_size, seconds, where, deadline)
+    return meet(store, Arrival(rank, ""), world_size, timeout, where, deadline)[0]
 
 
-def _lead(store: Any, world_size: int, seconds: float, where: str, deadline: float) -> str:
-    """Rank 0's half of :func:`agree_launch`: post a new prefix, collect every answer, confirm."""
+def _lead(
+    store: Any, arrival: Arrival, world_size: int, seconds: float, where: str, deadline: float
+) -> tuple[str, _Verdict]:
+    """Rank 0's half of :func:`meet`: post a new prefix, read every answer, post the verdict."""
     try:
         prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
         store.set(_ROOT + "leader", prefix.encode())
     except Exception as exc:
         raise _lost(0, where, exc) from None
+    if arrival.error is not None:
+        why = f"rank 0 (host {arrival.host}) refused to launch, so every rank stops: {arrival.error}"
+        return prefix, _refuse(store, prefix, world_size, deadline, why, (0,), where)
     if world_size == 1:
-        return prefix
+        return prefix, _Verdict((), (arrival.host,))
     with _waiting(lambda: f"the other ranks of {world_size} at {where}"):
-        answers, answered = prefix + "answers", prefix + "answer/"
-        _await_count(
-            store, answers, world_size - 1, world_size, answered, 0, seconds, deadline, where, first=1
-        )
+
+        def refused() -> None:
+            bad = int(store.get(prefix + "refusal"))  # set before the count says a rank refused
+            theirs: Arrival = pickle.loads(store.get(f"{prefix}answer/{bad}"))[1]
+            why = f"rank {bad} (host {theirs.host}) refused to launch, so every rank stops: {theirs.error}"
+            raise _Refused(_refuse(store, prefix, world_size, deadline, why, (bad,), where))
+
         try:
-            nonces = store.multi_get([f"{prefix}answer/{r}" for r in range(1, world_size)])
-            store.set(prefix + "confirmed", b",".join(nonces))
+            _await_count(
+                store, prefix + "answers", world_size - 1, world_size, prefix + "answer/", 0,
+                seconds, deadline, where, refused, first=1,
+            )  # fmt: skip
+        except _Refused as refusal:
+            return prefix, refusal.verdict
+        try:
+            answers = [
+                pickle.loads(v)
+                for v in store.multi_get([f"{prefix}answer/{r}" for r in range(1, world_size)])
+            ]
+            arrivals = [arrival] + [a for _, a in answers]
+            problem = disagreement(arrivals)
+            verdict = _Verdict(
+                tuple(n for n, _ in answers),
+                tuple(a.host for a in arrivals),
+                problem,
+                tuple(_odd_ranks(arrivals)) if problem is not None else (),
+            )
+            store.set(prefix + "confirmed", pickle.dumps(verdict))
         except Exception as exc:
             raise _lost(0, where, exc) from None
-    return prefix
+        if problem is not None:
+            _linger(store, prefix, world_size, deadline)
+    return prefix, verdict
 
 
-def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, deadline: float) -> str:
-    """The other ranks' half of :func:`agree_launch`: answer the posted prefix with a nonce until
-    rank 0 confirms it."""
+class _Refused(RendezvousError):
+    """Carries the verdict of a refusal out of :func:`_await_count`'s wait (which lets a
+    RendezvousError through)."""
+
+    def __init__(self, verdict: _Verdict) -> None:
+        super().__init__(verdict.problem or "")
+        self.verdict = verdict
+
+
+def _refuse(
+    store: Any,
+    prefix: str,
+    world_size: int,
+    deadline: float,
+    problem: str,
+    culprits: tuple[int, ...],
+    where: str,
+) -> _Verdict:
+    """Rank 0 after a refusal: post the verdict with the nonces answered so far, post it again
+    as more ranks answer, until every rank has read it or ``deadline`` passed (rank 0 serves the
+    store, so it stays until then); return the last verdict posted."""
+    verdict = _Verdict((), (), problem, culprits)
+    told = -1
+    with contextlib.suppress(Exception), _waiting(lambda: f"the other ranks of {world_size} at {where}"):
+        while True:
+            answered = store.add(prefix + "answers", 0) % REFUSED
+            if answered != told:
+                nonces = tuple(
+                    pickle.loads(store.get(f"{prefix}answer/{r}"))[0]
+                    if store.check([f"{prefix}answer/{r}"])
+                    else b""
+                    for r in range(1, world_size)
+                )
+                verdict = _Verdict(nonces, (), problem, culprits)
+                store.set(prefix + "confirmed", pickle.dumps(verdict))
+                told = answered
+            if answered >= world_size - 1 and store.add(prefix + "read", 0) >= world_size - 1:
+                break
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_SLICE_S / 4)
+    return verdict
+
+
+def _follow(
+    store: Any, arrival: Arrival, world_size: int, seconds: float, where: str, deadline: float
+) -> tuple[str, _Verdict]:
+    """The other ranks' half of :func:`meet`: answer the posted prefix with a nonce and this
+    rank's arrival until rank 0 confirms that nonce; return the prefix and the verdict."""
+    rank = arrival.rank
     nonce = uuid.uuid4().hex.encode()
+    answer = pickle.dumps((nonce, arrival))
+    count = 1 + (REFUSED if arrival.error is not None else 0)
     answered: str | None = None
     pauses = _pauses(world_size)
     reread = 0.0  # when to read the posted prefix again (a newer launch may replace it)
@@ -371,15 +496,18 @@ def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, 
                 if (answered is None or now >= reread) and store.check([_ROOT + "leader"]):
                     prefix = store.get(_ROOT + "leader").decode()
                     if prefix != answered:
-                        store.set(f"{prefix}answer/{rank}", nonce)
-                        store.add(prefix + "answers", 1)
+                        store.set(f"{prefix}answer/{rank}", answer)
+                        if arrival.error is not None:
+                            store.set(prefix + "refusal", str(rank).encode())
+                        store.add(prefix + "answers", count)
                         answered = prefix
                     reread = now + _SLICE_S
                 if answered is not None and store.check([answered + "confirmed"]):
-                    confirmed = store.get(answered + "confirmed").split(b",")
-                    if len(confirmed) == world_size - 1 and confirmed[rank - 1] == nonce:
-                        return answered
-                    reread = 0.0  # an earlier launch's prefix, confirmed for others: look again
+                    verdict: _Verdict = pickle.loads(store.get(answered + "confirmed"))
+                    if len(verdict.nonces) == world_size - 1 and verdict.nonces[rank - 1] == nonce:
+                        store.add(answered + "read", 1)
+                        return answered, verdict
+                    reread = 0.0  # an earlier launch's prefix, or a refusal told before this rank answered
             except Exception as exc:
                 raise _lost(rank, where, exc) from None
             now = time.monotonic()
@@ -393,89 +521,11 @@ def _follow(store: Any, rank: int, world_size: int, seconds: float, where: str, 
             time.sleep(min(next(pauses), max(deadline - now, 0.0)))
 
 
-# ---------------------------------------------------------------------------- the exchange
-def _missing(store: Any, world_size: int, posted: str = "arrive/", first: int = 0) -> list[int] | None:
+def _missing(store: Any, world_size: int, posted: str, first: int = 0) -> list[int] | None:
     try:
         return [r for r in range(first, world_size) if not store.check([f"{posted}{r}"])]
     except Exception:
         return None
-
-
-def exchange(
-    store: Any,
-    arrival: Arrival,
-    world_size: int,
-    timeout: timedelta,
-    where: str,
-    deadline: float | None = None,
-) -> list[Arrival]:
-    """Post ``arrival`` and wait, in short slices, until every rank of ``world_size`` has posted
-    its own, or one posted an error; return all of them in rank order. A rank whose own checks
-    failed (``arrival.error``) posts and returns at once (rank 0, which serves the store, first
-    waits for the others to read it, within the timeout).
-
-    Returns:
-        The :class:`Arrival` of every rank, ranks 0, 1, ...
-
-    Raises:
-        RendezvousError: a rank did not arrive by ``deadline`` (``time.monotonic()``; default now
-            + ``timeout``), another rank's checks failed, or the store went away; the message
-            names the ranks, ``where`` and what to check.
-        KeyboardInterrupt: Ctrl-C while waiting (with a note naming the awaited ranks).
-    """
-    seconds = timeout.total_seconds()
-    deadline = time.monotonic() + seconds if deadline is None else deadline
-    rank = arrival.rank
-    awaited = f"the other ranks of {world_size} at {where}"
-    try:
-        store.set(f"arrive/{rank}", pickle.dumps(arrival))
-        if arrival.error is not None:
-            store.set("abort", str(rank).encode())
-            store.add("refused", 1)
-        store.add("arrived", 1 + (REFUSED if arrival.error is not None else 0))
-    except Exception as exc:
-        raise _lost(rank, where, exc) from None
-    if arrival.error is not None:
-        if rank == 0:
-            _linger(store, world_size, deadline, awaited)
-        return [arrival]
-    with _waiting(lambda: awaited):
-
-        def refused() -> None:
-            if store.check(["abort"]):  # set before the count says a rank refused
-                bad = int(store.get("abort"))
-                theirs: Arrival = pickle.loads(store.get(f"arrive/{bad}"))
-                store.add("read", 1)
-                if rank == 0:
-                    _linger(store, world_size, deadline, awaited)
-                raise RendezvousError(
-                    f"launch refused on every rank: rank {bad} (host {theirs.host}) refused to "
-                    f"launch, so every rank stops: {theirs.error}",
-                    (bad,),
-                    where,
-                )
-
-        _await_count(
-            store, "arrived", world_size, world_size, "arrive/", rank, seconds, deadline, where, refused
-        )
-        try:
-            keys = [f"arrive/{r}" for r in range(world_size)]
-            arrivals = [pickle.loads(value) for value in store.multi_get(keys)]
-            store.add("read", 1)
-        except Exception as exc:
-            raise _lost(rank, where, exc) from None
-        failed = [a for a in arrivals if a.error is not None]
-        problem = (
-            f"rank {failed[0].rank} (host {failed[0].host}) refused to launch, so every rank stops: {failed[0].error}"
-            if failed
-            else disagreement(arrivals)
-        )
-        if problem is not None:
-            if rank == 0:
-                _linger(store, world_size, deadline, awaited)
-            culprits = [a.rank for a in failed] or _odd_ranks(arrivals)
-            raise RendezvousError(f"launch refused on every rank: {problem}", culprits, where)
-    return arrivals
 
 
 def _await_count(
@@ -575,11 +625,11 @@ def _not_arrived(
     )
 
 
-def _linger(store: Any, world_size: int, deadline: float, awaited: str) -> None:
+def _linger(store: Any, prefix: str, world_size: int, deadline: float) -> None:
     """Rank 0 serves the store: before it raises (and its process may exit), it waits, within
-    the deadline, until every rank has read the arrivals or refused itself."""
-    with contextlib.suppress(Exception), _waiting(lambda: awaited):
-        while store.add("read", 0) + store.add("refused", 0) < world_size and time.monotonic() < deadline:
+    the deadline, until every other rank has read the verdict."""
+    with contextlib.suppress(Exception):
+        while store.add(prefix + "read", 0) < world_size - 1 and time.monotonic() < deadline:
             time.sleep(_SLICE_S / 4)
 
 

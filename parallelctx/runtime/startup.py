@@ -5,8 +5,8 @@
 InternLM-style step methods of ``gpc`` call one at a time): the checks a rank can make alone,
 before any waiting (a rank that fails them tells the others at the rendezvous, in the
 background, and raises); the meeting (:func:`parallelctx.runtime.meetings.init_default_group`: the
-rendezvous store, the launch's key prefix, the one exchange of host names and agreed values, the
-default group; or, for a dry run, :func:`parallelctx.runtime.simulate.meet`); this rank's groups
+rendezvous store, the one round trip that agrees the launch's key prefix and checks every rank's
+values, the default group; or, for a dry run, :func:`parallelctx.runtime.simulate.meet`); this rank's groups
 (:func:`parallelctx.runtime.groups.create_groups`); the processes per node; the device; the
 seeds. Every group is held by the guard from the moment it exists. When a step fails, what the
 start-up made is destroyed before the error leaves. Nothing here reads or writes the context:
