@@ -64,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rank-timeout", type=float, default=300.0, help="seconds one rank may take (default 300)"
     )
+    parser.add_argument(
+        "--no-record-calls",
+        dest="record_calls",
+        action="store_false",
+        help="do not record each collective and point-to-point call (nor check them across ranks)",
+    )
     parser.add_argument("--quiet", action="store_true", help="only the summary line")
     parser.add_argument("script", help="the training script (what torchrun would run)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -90,7 +96,7 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
     from ..context import gpc
 
     sim = _simulation(args, rank)
-    dry = DryRun(sim, args.config, armed=True)
+    dry = DryRun(sim, args.config, armed=True, record_calls=getattr(args, "record_calls", True))
     os.environ.update(torchrun_environment(sim))
     gpc.arm_dry_run(dry)
     dry.start_recording()

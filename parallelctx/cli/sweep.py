@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import Config
 from ..planning.layout import Layout
+from .sequences import check_calls
 
 __all__ = [
     "check_all",
@@ -243,4 +244,5 @@ def check_all(reports: Reports) -> list[str]:
         *check_membership(reports),
         *check_creation_order(reports),
         *check_same_across(reports),
+        *check_calls(reports),
     ]

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from ..planning.simulation import Simulation
+from .ledger import P2P_KINDS, CallLedger, describe, p2p_async, tensor_text
 from .patch import Patches
 
 __all__ = ["COLLECTIVES", "NOT_FORWARDED", "DryRun", "GroupCall", "install_recorders"]
@@ -91,7 +92,9 @@ class GroupCall:
 class DryRun:
     """What a dry run of one rank records; its :meth:`report` is the rank's report."""
 
-    def __init__(self, sim: Simulation, config: Any = None, armed: bool = False) -> None:
+    def __init__(
+        self, sim: Simulation, config: Any = None, armed: bool = False, record_calls: bool = True
+    ) -> None:
         self.sim = sim
         #: The config the launch uses when the script passes none (``parallelctx dry-run --config``).
         self.config = config
@@ -100,6 +103,8 @@ class DryRun:
         self.armed = armed
         self.calls: list[GroupCall] = []
         self.collectives: dict[str, int] = {}
+        #: Every collective and point-to-point call in order (None: not recorded, ``--no-record-calls``).
+        self.ledger: CallLedger | None = CallLedger() if record_calls else None
         self.values: dict[str, Any] = {}
         self.same_across: dict[str, str] = {}
         self.launched: dict[str, Any] = {}
@@ -151,7 +156,8 @@ class DryRun:
         ``nproc_per_node``, ``coords`` {mode: local rank}, ``groups`` {mode: global ranks of its
         group; the world left out}, ``seeds`` {stream: seed}, ``new_group_calls`` (every
         ``new_group`` call of the run, gpc's included), ``launch_s``, ``values`` and
-        ``same_across`` (what :func:`record` registered), ``collectives`` {kind: calls},
+        ``same_across`` (what :func:`record` registered), ``collectives`` {kind: calls}, ``calls``
+        (the :class:`~parallelctx.guard.ledger.CallLedger`, None when not recorded),
         ``new_groups`` (each call: ranks, local, desc, where) and ``launches``."""
         return {
             "world_size": self.sim.world_size,
@@ -166,6 +172,7 @@ class DryRun:
             "values": dict(self.values),
             "same_across": dict(self.same_across),
             "collectives": dict(self.collectives),
+            "calls": self.ledger.to_json() if self.ledger is not None else None,
             "new_groups": [c.to_json() for c in self.calls],
             "launches": self.launches,
         }
@@ -223,9 +230,17 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
 
         return new_group
 
+    nested: list[str] = []  # the recorded calls running now (the ledger notes the outermost)
+
     def counting(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+            names = list(inspect.signature(fn).parameters)
+
             def collective(*args: Any, **kwargs: Any) -> Any:
+                if dry.ledger is not None and not nested and len(args) <= len(names):
+                    given = dict(zip(names, args))  # the arguments by name (defaults left out)
+                    given.update(kwargs)
+                    _note_call(dry.ledger, dry.sim.rank, kind, given, _call_site())
                 seen = dry.collectives.get(kind, 0)
                 dry.collectives[kind] = seen + 1
                 if not seen:
@@ -240,7 +255,11 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
                         if kind == "recv_object_list"
                         else None
                     )
-                return fn(*args, **kwargs)
+                nested.append(kind)  # batch_isend_irecv calls the ops it was given: noted once
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    nested.pop()
 
             collective.__name__ = kind
             return collective
@@ -252,3 +271,58 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
         if getattr(dist, kind, None) is not None:
             patches.replace(dist, kind, counting(kind))
     return patches.restore
+
+
+def _members(group: Any) -> list[int] | None:
+    """The global ranks of ``group``; None for the default group (or None)."""
+    import torch.distributed as dist
+
+    if group is None or group is dist.group.WORLD:
+        return None
+    return list(dist.get_process_group_ranks(group))
+
+
+def _note_call(ledger: CallLedger, rank: int, kind: str, given: Mapping[str, Any], where: str) -> None:
+    """Put one call of ``kind`` (its bound arguments ``given``) made by global ``rank`` into
+    ``ledger``; a ``batch_isend_irecv`` is put in as its operations."""
+    if kind == "batch_isend_irecv":
+        for op in given.get("p2p_op_list") or []:
+            name = getattr(getattr(op, "op", None), "__name__", "isend")
+            bound = {"tensor": op.tensor, "group": op.group, "tag": op.tag}
+            bound["group_dst" if name == "isend" else "group_src"] = op.group_peer
+            bound["dst" if name == "isend" else "src"] = op.peer
+            _note_call(ledger, rank, name, bound, where)
+        return
+    group = given.get("group")
+    key = ledger.group_key(group, _members)
+    members = ledger.groups[key]
+
+    def group_rank(global_rank: int | None) -> int | None:
+        wanted = rank if global_rank is None else global_rank
+        if members is None:
+            return wanted
+        return members.index(wanted) if wanted in members else None
+
+    direction = P2P_KINDS.get(kind)
+    entry: dict[str, Any] = {"kind": kind, "group": key, "where": where}
+    if direction is not None:
+        side = "dst" if direction == "send" else "src"
+        peer = given.get(side)
+        local = given.get(f"group_{side}")
+        if peer is None and local is not None:
+            peer = members[local] if members is not None else local
+        value = given.get("tensor", given.get("object_list"))
+        agree = f"{len(value)} objects" if isinstance(value, list) else tensor_text(value)
+        words = (
+            f"to rank {peer}"
+            if direction == "send"
+            else ("from any rank" if peer is None else f"from rank {peer}")
+        )
+        entry.update(agree=agree, shown=f"{kind}({agree} {words})", peer=peer, tag=int(given.get("tag") or 0))
+        if p2p_async(kind):
+            entry["async"] = True
+    else:
+        entry["agree"], entry["shown"] = describe(kind, given, group_rank)
+        if given.get("async_op"):
+            entry["async"] = True
+    ledger.note(entry)

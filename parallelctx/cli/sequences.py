@@ -1,0 +1,472 @@
+"""Cross-rank checks of the calls a dry-run sweep recorded; torch-free.
+
+Input: the swept ranks' reports (their ``calls``: :class:`parallelctx.guard.ledger.CallLedger`).
+Three checks, each naming the group (its mode and members, where the ranks are), the call's
+position and its call site:
+
+* :func:`check_group_sequences`: the members of a group made different collectives on it (the
+  first difference only: a call more or fewer, another kind, another shape or dtype where the
+  kind needs them equal, another root or reduce op);
+* :func:`check_point_to_point`: a send without its receive (or with another shape, dtype or
+  tag) and a receive without its send, per pair of swept ranks;
+* :func:`check_wait_cycles`: the ranks' calls played as the real job would progress (a
+  collective completes when every member has reached it, a blocking send when its receive is
+  reached); ranks left waiting on each other in a cycle are named, with where each waits.
+  Asynchronous calls do not block. An order that only serialises is no finding.
+
+Only swept ranks are compared; a member that was not swept is taken to make every call.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["check_calls", "check_group_sequences", "check_point_to_point", "check_wait_cycles"]
+
+Reports = Mapping[int, Mapping[str, Any]]
+_AXES = (("pipeline", "pipeline stage"), ("tensor", "tensor rank"), ("context", "context rank"),
+         ("data", "data rank"), ("expert", "expert rank"))  # fmt: skip
+_P2P = {"send": "send", "isend": "send", "send_object_list": "send",
+        "recv": "recv", "irecv": "recv", "recv_object_list": "recv"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of one rank, unfolded: its entry and its position among the rank's calls on the
+    same stream (a group's collectives, or its sends to / receives from one peer)."""
+
+    entry: Mapping[str, Any]
+    stream: tuple[Any, ...]
+    position: int
+
+    @property
+    def kind(self) -> str:
+        return str(self.entry["kind"])
+
+    @property
+    def blocking(self) -> bool:
+        return not self.entry.get("async", False)
+
+
+def _short(ranks: list[int], limit: int = 12) -> str:
+    if len(ranks) <= limit:
+        return "[" + ", ".join(map(str, ranks)) + "]"
+    return "[" + ", ".join(map(str, ranks[: limit - 2])) + f", ... {ranks[-1]}] ({len(ranks)} ranks)"
+
+
+def _unfold(rank: int, ledger: Mapping[str, Any], world: int) -> list[_Call]:
+    """The rank's kept calls in order, each with its stream and position on it."""
+    groups = ledger.get("groups", {})
+    seen: Counter[tuple[Any, ...]] = Counter()
+    out: list[_Call] = []
+    for entry in ledger.get("entries", []):
+        members = groups.get(entry["group"])
+        members_key = tuple(members) if members is not None else tuple(range(world))
+        direction = _P2P.get(entry["kind"])
+        if direction is None:
+            stream: tuple[Any, ...] = ("group", members_key)
+        elif direction == "send":
+            stream = ("p2p", rank, entry.get("peer"))
+        else:
+            stream = ("p2p", entry.get("peer"), rank)
+        for _ in range(int(entry.get("n", 1))):
+            out.append(_Call(entry, stream, seen[stream]))
+            seen[stream] += 1
+    return out
+
+
+def _calls(reports: Reports) -> dict[int, list[_Call]]:
+    out = {}
+    for rank, rep in reports.items():
+        ledger = rep.get("calls")
+        if ledger:
+            out[rank] = _unfold(rank, ledger, int(rep.get("world_size", 0)))
+    return out
+
+
+def _name_group(members: tuple[int, ...], reports: Reports, world: int) -> str:
+    """``data group [5, 13, 21, 29] (pipeline stage 2)``: the mode a swept member holds the
+    group as, its members, and the coordinates its swept members share."""
+    if len(members) == world:
+        return f"world group {_short(list(members))}"
+    swept = [r for r in members if r in reports]
+    mode = "group"
+    for rank in swept:
+        for name, ranks in reports[rank].get("groups", {}).items():
+            if tuple(ranks) == members:
+                mode = f"{name} group"
+                break
+        if mode != "group":
+            break
+    where = []
+    for axis, words in _AXES:
+        if mode.startswith(axis):
+            continue
+        values = {reports[r].get("coords", {}).get(axis) for r in swept}
+        sizes = {len(reports[r].get("groups", {}).get(axis, [])) for r in swept}
+        if len(values) == 1 and None not in values and max(sizes, default=0) > 1:
+            where.append(f"{words} {values.pop()}")
+    return f"{mode} {_short(list(members))}" + (f" ({', '.join(where)})" if where else "")
+
+
+def _site(call: _Call) -> str:
+    return str(call.entry.get("where", "?"))
+
+
+def check_group_sequences(reports: Reports) -> list[str]:
+    """The members of each group made the same collectives on it, in the same order; returns a
+    message per group whose swept members differ (the first difference)."""
+    calls = _calls(reports)
+    world = max((int(rep.get("world_size", 0)) for rep in reports.values()), default=0)
+    by_group: dict[tuple[int, ...], dict[int, list[_Call]]] = {}
+    for rank, own in calls.items():
+        for call in own:
+            if call.stream[0] == "group":
+                by_group.setdefault(call.stream[1], {}).setdefault(rank, []).append(call)
+    out: list[str] = []
+    for members, seqs in sorted(by_group.items()):
+        swept = [r for r in members if r in calls]
+        if len(swept) < 2:
+            continue
+        keys = {r: tuple(c.entry["agree"] for c in seqs.get(r, [])) for r in swept}
+        ranked = Counter(keys.values()).most_common(2)
+        common = ranked[0][0]
+        odd = [r for r in swept if keys[r] != common]
+        if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:  # no majority: name every variant
+            out.append(_variants(members, swept, keys, seqs, reports, world))
+        elif odd:
+            ref = min(r for r in swept if keys[r] == common)
+            out.append(_first_difference(members, swept, keys, seqs, ref, odd, reports, world))
+        else:
+            out.extend(_beyond_window(members, swept, reports, world))
+    return out
+
+
+def _first_difference(
+    members: tuple[int, ...],
+    swept: list[int],
+    keys: dict[int, tuple[str, ...]],
+    seqs: dict[int, list[_Call]],
+    ref: int,
+    odd: list[int],
+    reports: Reports,
+    world: int,
+) -> str:
+    common = keys[ref]
+    first = min(_position(keys[r], common, seqs[r], seqs[ref]) for r in odd)
+    agreeing = [r for r in swept if keys[r] == common]
+    head = f"{_name_group(members, reports, world)}: call {first + 1}"
+    if first < len(common):
+        call = seqs[ref][first]
+        head += f" is {call.entry['shown']} on ranks {_short(agreeing)} ({_site(call)})"
+    else:
+        head += f" is not made on ranks {_short(agreeing)} (they made {len(common)} calls on it)"
+    parts = []
+    for r in odd:
+        own = keys[r]
+        if _position(own, common, seqs[r], seqs[ref]) != first:
+            continue
+        if first >= len(own):
+            parts.append(f"rank {r} made no call {first + 1} here (it made {len(own)})")
+            continue
+        call = seqs[r][first]
+        if own[first + 1 : first + 4] == common[first : first + 3]:
+            again = first > 0 and own[first] == own[first - 1]
+            parts.append(
+                f"rank {r} made {call.entry['shown']} {'twice' if again else 'in addition'} here ({_site(call)})"
+            )
+        elif first < len(common) and own[first : first + 3] == common[first + 1 : first + 4]:
+            parts.append(
+                f"rank {r} skipped it (its call {first + 1} is the others' call {first + 2}, {call.entry['shown']})"
+            )
+        else:
+            parts.append(f"rank {r} made {call.entry['shown']} here ({_site(call)})")
+    return head + "; " + "; ".join(parts) + ": the members must make the same calls in the same order"
+
+
+def _position(own: tuple[str, ...], common: tuple[str, ...], calls: list[_Call], ref: list[_Call]) -> int:
+    """Where ``own`` first differs from ``common``; when one is the start of the other, the
+    first call whose site differs (an extra call of the same kind is found where it was made)."""
+    shorter = min(len(own), len(common))
+    first = next((i for i, (a, b) in enumerate(zip(own, common)) if a != b), shorter)
+    if first == shorter:
+        first = next((i for i in range(shorter) if _site(calls[i]) != _site(ref[i])), shorter)
+    return first
+
+
+def _variants(
+    members: tuple[int, ...],
+    swept: list[int],
+    keys: dict[int, tuple[str, ...]],
+    seqs: dict[int, list[_Call]],
+    reports: Reports,
+    world: int,
+) -> str:
+    """The first call at which the members differ, each variant with its ranks (no majority)."""
+    longest = max(len(k) for k in keys.values())
+    first = next(
+        i for i in range(longest + 1) if len({k[i] if i < len(k) else None for k in keys.values()}) > 1
+    )
+    variants: dict[str, list[int]] = {}
+    for r in swept:
+        if first < len(keys[r]):
+            call = seqs[r][first]
+            shown = f"{call.entry['shown']} ({_site(call)})"
+        else:
+            shown = f"no call (they made {len(keys[r])})"
+        variants.setdefault(shown, []).append(r)
+    parts = "; ".join(f"ranks {_short(rs)} made {shown}" for shown, rs in variants.items())
+    return (
+        f"{_name_group(members, reports, world)}: call {first + 1} differs: {parts}: the members "
+        "must make the same calls in the same order"
+    )
+
+
+def _beyond_window(members: tuple[int, ...], swept: list[int], reports: Reports, world: int) -> list[str]:
+    """Calls past the kept window: compare each swept member's count and hash of the group."""
+    found = {}
+    for r in swept:
+        ledger = reports[r].get("calls") or {}
+        key = next((k for k, m in ledger.get("groups", {}).items()
+                    if (tuple(m) if m is not None else tuple(range(world))) == members), None)  # fmt: skip
+        if key is None:
+            continue
+        found[r] = (ledger.get("counts", {}).get(key, 0), ledger.get("digests", {}).get(key))
+    if len(set(found.values())) <= 1:
+        return []
+    counts = ", ".join(f"rank {r}: {c}" for r, (c, _) in sorted(found.items())[:8])
+    return [
+        f"{_name_group(members, reports, world)}: the members' calls differ after the calls every "
+        f"report keeps in full (calls made: {counts}); run fewer steps in the dry run to see where"
+    ]
+
+
+def check_point_to_point(reports: Reports) -> list[str]:
+    """Every send between two swept ranks has its receive, with the same shape, dtype and tag,
+    and every receive its send (a receive from any source takes any send left over); returns a
+    message per pair that does not match."""
+    calls = _calls(reports)
+    sends: dict[tuple[int, int], list[_Call]] = {}
+    recvs: dict[tuple[int, int], list[_Call]] = {}
+    spare: dict[int, int] = {}
+    for own in calls.values():
+        for call in own:
+            if call.stream[0] != "p2p":
+                continue
+            _, src, dst = call.stream
+            if _P2P[call.kind] == "send":
+                sends.setdefault((src, dst), []).append(call)
+            elif src is None:
+                spare[dst] = spare.get(dst, 0) + 1
+            else:
+                recvs.setdefault((src, dst), []).append(call)
+    out: list[str] = []
+    for pair in sorted(set(sends) | set(recvs), key=lambda p: (p[0], p[1])):
+        src, dst = pair
+        if src not in calls or dst not in calls:
+            continue
+        sent, got = sends.get(pair, []), recvs.get(pair, [])
+        for i, (s, r) in enumerate(zip(sent, got)):
+            if (s.entry["agree"], s.entry.get("tag")) != (r.entry["agree"], r.entry.get("tag")):
+                out.append(
+                    f"rank {src} -> rank {dst}: send {i + 1} is {s.entry['shown']} tag {s.entry.get('tag')} "
+                    f"({_site(s)}) but its receive is {r.entry['shown']} tag {r.entry.get('tag')} ({_site(r)})"
+                )
+                break
+        if len(sent) > len(got):
+            extra = len(sent) - len(got)
+            taken = min(extra, spare.get(dst, 0))
+            spare[dst] = spare.get(dst, 0) - taken
+            if extra > taken:
+                s = sent[len(got)]
+                out.append(
+                    f"rank {src} sends {len(sent)} times to rank {dst}{_shared(src, dst, reports)} "
+                    f"({_coords(src, reports)} -> {_coords(dst, reports)}), rank {dst} receives from it {len(got) + taken} times: send "
+                    f"{len(got) + taken + 1}, {s.entry['shown']} ({_site(s)}), has no receive"
+                )
+        elif len(got) > len(sent):
+            r = got[len(sent)]
+            out.append(
+                f"rank {dst} receives {len(got)} times from rank {src}{_shared(dst, src, reports)} "
+                f"({_coords(dst, reports)} <- {_coords(src, reports)}), rank {src} sends to it {len(sent)} times: receive "
+                f"{len(sent) + 1}, {r.entry['shown']} ({_site(r)}), has no send"
+            )
+    return out
+
+
+def _shared(src: int, dst: int, reports: Reports) -> str:
+    """`` on their pipeline group [...]``: the group of ``src`` that holds ``dst`` (the pipeline
+    group first), or nothing."""
+    groups = reports[src].get("groups", {})
+    for mode in ("pipeline", *sorted(groups)):
+        members = groups.get(mode)
+        if members and dst in members:
+            return f" on their {mode} group {_short(list(members))}"
+    return ""
+
+
+def _coords(rank: int, reports: Reports) -> str:
+    coords = reports[rank].get("coords", {})
+    shown = [f"{words} {coords[axis]}" for axis, words in _AXES
+             if axis in coords and len(reports[rank].get("groups", {}).get(axis, [])) > 1]  # fmt: skip
+    return ", ".join(shown) if shown else f"rank {rank}"
+
+
+def check_wait_cycles(reports: Reports) -> list[str]:
+    """Play the swept ranks' blocking calls as the real job would progress and name every set
+    of ranks left waiting on each other in a cycle (each rank, the call it waits in, its group
+    and call site, and the rank it waits for); an order that only serialises is no finding."""
+    calls = {r: [c for c in own if c.blocking] for r, own in _calls(reports).items()}
+    if not calls:
+        return []
+    world = max(int(rep.get("world_size", 0)) for rep in reports.values())
+    need = {}
+    for own in calls.values():
+        for c in own:
+            if c.stream[0] == "group" and c.stream[1] not in need:
+                need[c.stream[1]] = sum(1 for m in c.stream[1] if m in calls)
+    ptr = dict.fromkeys(calls, 0)
+    arrived: dict[tuple[Any, int], set[int]] = {}
+
+    def current(rank: int) -> _Call | None:
+        own = calls[rank]
+        return own[ptr[rank]] if ptr[rank] < len(own) else None
+
+    def counterpart(waiting: _Call, rank: int, peer: int) -> bool:
+        other = current(peer)
+        if other is None or other.stream[0] != "p2p" or _P2P[other.kind] == _P2P[waiting.kind]:
+            return False
+        _, src, dst = other.stream
+        if _P2P[other.kind] == "recv":
+            return dst == peer and (src is None or src == rank)
+        return src == peer and dst == rank
+
+    work = deque(sorted(calls))
+    while work:
+        rank = work.popleft()
+        call = current(rank)
+        if call is None:
+            continue
+        if call.stream[0] == "group":
+            key = (call.stream[1], call.position)
+            here = arrived.setdefault(key, set())
+            if rank in here:
+                continue
+            here.add(rank)
+            if len(here) >= need[call.stream[1]]:
+                del arrived[key]
+                for m in here:
+                    ptr[m] += 1
+                    work.append(m)
+            continue
+        _, src, dst = call.stream
+        peer = dst if _P2P[call.kind] == "send" else src
+        if peer is None:  # a receive from any rank: any swept rank sending to it now
+            peer = next((r for r in calls if r != rank and counterpart(call, rank, r)), None)
+            if peer is None:
+                continue
+        if peer not in calls:
+            ptr[rank] += 1
+            work.append(rank)
+        elif counterpart(call, rank, peer):
+            ptr[rank] += 1
+            ptr[peer] += 1
+            work.extend((rank, peer))
+    return _cycles(calls, current, reports, world)
+
+
+def _cycles(calls: dict[int, list[_Call]], current: Any, reports: Reports, world: int) -> list[str]:
+    waits: dict[int, list[int]] = {}
+    for rank in calls:
+        call = current(rank)
+        if call is None:
+            continue
+        if call.stream[0] == "group":
+            position = call.position
+            waits[rank] = [
+                m for m in call.stream[1]
+                if m in calls and m != rank and not _waits_at(current(m), call.stream, position)
+            ]  # fmt: skip
+        else:
+            _, src, dst = call.stream
+            peer = dst if _P2P[call.kind] == "send" else src
+            waits[rank] = [peer] if peer is not None and peer in calls else []
+    out: list[str] = []
+    for cycle in _cycles_of(waits):
+        steps = []
+        for i, r in enumerate(cycle):
+            call = current(r)
+            target = cycle[(i + 1) % len(cycle)]
+            on = f" on {_name_group(call.stream[1], reports, world)}" if call.stream[0] == "group" else ""
+            steps.append(f"rank {r} waits in {call.entry['shown']}{on} ({_site(call)}) for rank {target}")
+        out.append(
+            f"wait cycle of ranks {_short(sorted(cycle))}: " + "; ".join(steps) + ": none of them can "
+            "go on (make the calls on these groups and peers in the same order on every rank)"
+        )
+    return out
+
+
+def _cycles_of(waits: dict[int, list[int]]) -> list[list[int]]:
+    """One cycle of each set of ranks that wait on each other (a strongly connected part of the
+    wait graph with more than one rank), walked from its lowest rank."""
+    edges = {r: [m for m in targets if m in waits] for r, targets in waits.items()}
+    order: list[int] = []
+    seen: set[int] = set()
+    for start in sorted(edges):  # Kosaraju: finishing order on the graph ...
+        if start in seen:
+            continue
+        seen.add(start)
+        stack = [(start, iter(edges[start]))]
+        while stack:
+            node, it = stack[-1]
+            nxt = next((m for m in it if m not in seen), None)
+            if nxt is None:
+                order.append(node)
+                stack.pop()
+            else:
+                seen.add(nxt)
+                stack.append((nxt, iter(edges[nxt])))
+    back: dict[int, list[int]] = {r: [] for r in edges}
+    for r, targets in edges.items():
+        for m in targets:
+            back[m].append(r)
+    part: dict[int, int] = {}
+    for root in reversed(order):  # ... then the parts on the reversed graph
+        if root in part:
+            continue
+        part[root] = root
+        todo = [root]
+        while todo:
+            node = todo.pop()
+            for m in back[node]:
+                if m not in part:
+                    part[m] = root
+                    todo.append(m)
+    members: dict[int, list[int]] = {}
+    for r, root in part.items():
+        members.setdefault(root, []).append(r)
+    cycles = []
+    for ranks in sorted((sorted(v) for v in members.values() if len(v) > 1), key=lambda v: v[0]):
+        inside = set(ranks)
+        path: list[int] = []
+        index: dict[int, int] = {}
+        node = ranks[0]
+        while node not in index:
+            index[node] = len(path)
+            path.append(node)
+            node = next(m for m in edges[node] if m in inside)
+        cycles.append(path[index[node] :])
+    return cycles
+
+
+def _waits_at(call: _Call | None, stream: tuple[Any, ...], position: int) -> bool:
+    return call is not None and call.stream == stream and call.position == position
+
+
+def check_calls(reports: Reports) -> list[str]:
+    """Run the three checks of the calls; returns every message (empty: they passed, or no
+    report recorded its calls)."""
+    return [*check_group_sequences(reports), *check_point_to_point(reports), *check_wait_cycles(reports)]

@@ -1,0 +1,159 @@
+"""The dry run's call ledger: every collective and point-to-point call one simulated rank makes,
+in order, with what its peers must agree on.
+
+:class:`CallLedger` keeps, for the rank's report, the rank's calls in program order: the kind,
+the group (by its members), what the members must agree on (``agree``: shapes and dtypes where
+the kind requires them equal, the root in group ranks, the reduce op), how a person reads it
+(``shown``: ``all_reduce(float32[4, 8])``), the peer of a point-to-point call, whether it was
+asynchronous, and the call site. It stays small: runs of identical consecutive calls are folded
+into one entry with a count, and only the first :data:`WINDOW` calls are kept in full; every
+call, kept or not, is counted and hashed per stream (a group's collectives, or the calls to or
+from one peer), so a difference after the window still shows. The cross-rank checks are
+:mod:`parallelctx.cli.sequences`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["P2P_KINDS", "WINDOW", "CallLedger", "describe", "p2p_async", "tensor_text"]
+
+WINDOW = 1000
+"""Calls of one rank kept in full (folded runs count each call); later calls are only counted
+and hashed per stream."""
+
+P2P_KINDS = {"send": "send", "isend": "send", "send_object_list": "send",
+             "recv": "recv", "irecv": "recv", "recv_object_list": "recv"}  # fmt: skip
+"""The point-to-point calls and their direction."""
+
+_ASYNC_P2P = {"isend", "irecv"}
+# Kinds whose tensor's shape must be the same on every member (the others allow shapes that
+# differ by rank: all_to_all_single's splits, a gather's or scatter's list on the root only,
+# an uneven all_gather's list is compared as a whole instead).
+_SAME_SHAPE = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
+_ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src",
+           "gather_object": "dst", "scatter_object_list": "src", "broadcast_object_list": "src"}  # fmt: skip
+
+
+def tensor_text(value: Any) -> str:
+    """Return ``float32[4, 8]`` for a tensor, ``?`` for anything else."""
+    dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        return "?"
+    return f"{str(dtype).removeprefix('torch.')}[{', '.join(str(int(s)) for s in shape)}]"
+
+
+def _dtype(value: Any) -> str:
+    return str(getattr(value, "dtype", "?")).removeprefix("torch.")
+
+
+def _op(value: Any) -> str:
+    if value is None:
+        return "SUM"
+    name = getattr(value, "name", None)
+    return str(name if name is not None else value).rsplit(".", 1)[-1]
+
+
+def describe(kind: str, given: Mapping[str, Any], group_rank: Any) -> tuple[str, str]:
+    """Return ``(agree, shown)`` of one call: what every member of its group must pass alike,
+    and how a person reads it. ``given`` holds the call's bound arguments; ``group_rank(global
+    rank)`` turns a root given in global ranks into the group's rank.
+    """
+    parts: list[str] = [kind]
+    main = given.get("tensor", given.get("input_tensor", given.get("input", given.get("output"))))
+    shown = tensor_text(main) if main is not None else ""
+    if kind in _SAME_SHAPE:
+        parts.append(shown)
+    elif kind == "all_gather":
+        outs = given.get("tensor_list") or []
+        shapes = [tensor_text(t) for t in outs]
+        parts.append("[" + ", ".join(shapes) + "]")
+        mine = group_rank(None)
+        parts.append(
+            "own slot" if mine is not None and mine < len(shapes) and shapes[mine] == shown else "other"
+        )
+    elif kind in ("all_to_all_single", "all_to_all", "reduce_scatter", "gather", "scatter"):
+        first = main if main is not None else (given.get("input_tensor_list") or [None])[0]
+        parts.append(_dtype(first))
+        if not shown and first is not None:
+            shown = tensor_text(first)
+    if kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
+        op = _op(given.get("op"))
+        parts.append(op)
+    root_key = _ROOTED.get(kind)
+    if root_key is not None:
+        local = given.get(f"group_{root_key}")
+        if local is None and given.get(root_key) is not None:
+            local = group_rank(int(given[root_key]))
+        parts.append(f"root {local}")
+        shown = f"{shown}, root {local}" if shown else f"root {local}"
+    return " ".join(str(p) for p in parts), f"{kind}({shown})"
+
+
+class CallLedger:
+    """One rank's calls, in program order (see the module docstring)."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self.window = window
+        self.entries: list[dict[str, Any]] = []
+        self.kept = 0
+        self.counts: dict[str, int] = {}
+        self._hashes: dict[str, Any] = {}
+        self.groups: dict[str, list[int] | None] = {"world": None}
+        self._keys: dict[int, tuple[Any, str]] = {}
+
+    def group_key(self, group: Any, members_of: Callable[[Any], Sequence[int] | None]) -> str:
+        """Return the report's name of ``group`` (``"world"`` for the default group, else
+        ``"g<n>"`` with its members, ``members_of(group)``, in :attr:`groups`), naming it on
+        first use; ``members_of`` returns None for the default group."""
+        known = self._keys.get(id(group))
+        if known is not None and known[0] is group:
+            return known[1]
+        members = members_of(group)
+        if members is None:
+            self._keys[id(group)] = (group, "world")
+            return "world"
+        key = f"g{len(self.groups)}"
+        self.groups[key] = sorted(int(r) for r in members)
+        self._keys[id(group)] = (group, key)  # the group kept alive: its id is not reused
+        return key
+
+    def note(self, entry: dict[str, Any]) -> None:
+        """Record one call: ``entry`` holds ``kind``, ``group`` (a :meth:`group_key`),
+        ``agree``, ``shown``, ``where``, ``async`` and, for a point-to-point call, ``peer`` (a
+        global rank; None: any source) and ``tag``. Returns None."""
+        direction = P2P_KINDS.get(entry["kind"])
+        stream = entry["group"] if direction is None else f"{direction} {entry.get('peer')}"
+        self.counts[stream] = self.counts.get(stream, 0) + 1
+        digest = self._hashes.get(stream)
+        if digest is None:
+            digest = self._hashes[stream] = hashlib.blake2b(digest_size=8)
+        digest.update(f"{entry['agree']}|{entry.get('tag')}|".encode())
+        if self.kept >= self.window:
+            return
+        self.kept += 1
+        last = self.entries[-1] if self.entries else None
+        if last is not None and all(last.get(k) == v for k, v in entry.items()):
+            last["n"] = last.get("n", 1) + 1
+            return
+        self.entries.append(entry)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the ledger as a JSON-ready dict: ``entries`` (each with ``n`` when it stands
+        for several identical calls), ``groups`` {key: members, ``world``: None}, ``counts`` and
+        ``digests`` per stream, ``kept`` and ``window``."""
+        return {
+            "entries": [dict(e) for e in self.entries],
+            "groups": dict(self.groups),
+            "counts": dict(self.counts),
+            "digests": {k: h.hexdigest() for k, h in self._hashes.items()},
+            "kept": self.kept,
+            "window": self.window,
+        }
+
+
+def p2p_async(kind: str) -> bool:
+    """True for the point-to-point calls that return at once (``isend``, ``irecv``)."""
+    return kind in _ASYNC_P2P
