@@ -1,7 +1,8 @@
 """The hang report (dist.hang_report, gpc.on_hang, parallelctx/hang.py).
 
 Quick checks here; the multi-rank runs under real torchrun (a rank that skips an all-reduce,
-two ranks that call different collectives, a healthy 200-step loop) carry the faults marker."""
+two ranks that call different collectives, calls whose shapes differ by rank, a healthy 200-step
+loop) carry the faults marker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torchrun_helpers import run_torchrun
 
 from parallelctx import ParallelMode, gpc, load_config
+from parallelctx.guard.hang import _agreed_call
 from parallelctx.hang import HangReport, HangWatch, describe_call
 
 
@@ -43,6 +45,129 @@ def test_a_call_is_worded_with_its_dtypes_and_shapes() -> None:
     two = [[torch.zeros(2, 3, dtype=torch.bfloat16)] * 2, [torch.zeros(2, 3, dtype=torch.bfloat16)]]
     assert describe_call("all_gather", tuple(two)) == "all_gather(2 x bfloat16[2, 3], bfloat16[2, 3])"
     assert describe_call("barrier", ()) == "barrier()"
+
+
+def test_a_call_is_worded_from_the_arguments_torch_passes_with_its_root(tmp_path: Path) -> None:
+    # Real torch calls on a gloo world of one, through a running watch: the wording reads the
+    # arguments as torch 2.x hands them to the ProcessGroup methods (a change there fails here).
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        group = dist.group.WORLD
+        watch = HangWatch(timedelta(seconds=60), 0, store, [(group, (ParallelMode.DATA,), False, (0, 1))], [])
+        watch.start()
+        try:
+            slot = watch._slots[group]
+            seen: list[tuple[str, str]] = []
+
+            def worded() -> None:
+                assert slot.call is not None
+                seen.append(slot.worded(slot.call))
+
+            dist.all_to_all_single(torch.empty(3, 4), torch.ones(3, 4), [3], [3])
+            worded()
+            dist.all_to_all_single(torch.empty(3, 4), torch.ones(3, 4))
+            worded()
+            dist.gather(torch.ones(2), [torch.empty(2)], dst=0)
+            worded()
+            dist.scatter(torch.empty(2), [torch.ones(2)], src=0)
+            worded()
+            dist.all_gather([torch.empty(2)], torch.ones(2))
+            worded()
+            dist.broadcast(torch.ones(4), src=0)
+            worded()
+            dist.all_reduce(torch.ones(4))
+            worded()
+        finally:
+            watch.stop()
+    finally:
+        dist.destroy_process_group()
+    assert seen == [
+        (
+            "all_to_all_single(float32[3, 4], float32[3, 4])",
+            "all_to_all_single(float32[*, 4], float32[*, 4])",
+        ),
+        (
+            "all_to_all_single(float32[3, 4], float32[3, 4])",
+            "all_to_all_single(float32[3, 4], float32[3, 4])",
+        ),
+        ("gather(float32[2], float32[2], dst=0)", "gather(float32[2], dst=0)"),
+        ("scatter(float32[2], float32[2], src=0)", "scatter(float32[2], src=0)"),
+        ("all_gather(float32[2], float32[2])", "all_gather(float32[2])"),
+        ("broadcast(float32[4], src=0)", "broadcast(float32[4], src=0)"),
+        ("all_reduce(float32[4])", "all_reduce(float32[4])"),
+    ]
+
+
+def _opts(kind: type, root: int) -> object:
+    opts = kind()
+    opts.rootRank = root
+    return opts
+
+
+def test_only_what_every_rank_must_give_alike_makes_calls_differ() -> None:
+    # Each rank's arguments as torch's dist.* functions pass them to the ProcessGroup method
+    # (group of 3, global ranks 4, 5, 6). Calls that differ only where the op allows per-rank
+    # shapes are the same call; another shape where it must agree, another dtype or another
+    # root is another call.
+    ranks = (4, 5, 6)
+
+    def same(op: str, *per_rank: tuple) -> bool:
+        return len({_agreed_call(op, args, ranks) for args in per_rank}) == 1
+
+    def rows(n: int, cols: int = 4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(n, cols, dtype=dtype)
+
+    # all_to_all_single with rank-dependent splits (an MoE dispatch): output, input, splits
+    a2a = [(rows(sum(o)), rows(sum(i)), o, i) for o, i in (([1, 2, 3], [1, 1, 2]), ([1, 4, 3], [2, 4, 1]))]
+    assert same("all_to_all_single", *a2a)
+    assert not same("all_to_all_single", a2a[0], (rows(7, 2), rows(5, 2), [1, 4, 2], [2, 2, 1]))
+    assert not same(
+        "all_to_all_single",
+        a2a[0],
+        (rows(6, dtype=torch.bfloat16), rows(4, dtype=torch.bfloat16), [1, 2, 3], [1, 1, 2]),
+    )
+    assert not same("all_to_all_single", (rows(6), rows(6), [], []), (rows(3), rows(3), [], []))
+    # all_to_all (list): per-pair shapes
+    assert same(
+        "all_to_all", ([rows(1), rows(2)], [rows(3), rows(1)]), ([rows(5), rows(1)], [rows(2), rows(2)])
+    )
+    # gather to group rank 0: only the root passes its list; scatter likewise
+    gather = dist.GatherOptions
+    root = ([[torch.empty(2)] * 3], [torch.ones(2)], _opts(gather, 0))
+    assert same("gather", root, ([], [torch.ones(2)], _opts(gather, 0)))
+    assert not same("gather", root, ([], [torch.ones(3)], _opts(gather, 0)))
+    assert not same("gather", root, ([], [torch.ones(2)], _opts(gather, 1)))
+    scatter = dist.ScatterOptions
+    assert same(
+        "scatter",
+        ([torch.empty(2)], [[torch.ones(2)] * 3], _opts(scatter, 2)),
+        ([torch.empty(2)], [], _opts(scatter, 2)),
+    )
+    # an uneven all-gather: every rank's output list is [2], [3], [1]; its input is its entry
+    uneven = [torch.empty(2), torch.empty(3), torch.empty(1)]
+    assert len({describe_call("all_gather", ([uneven], [uneven[r]])) for r in range(3)}) == 3
+    assert same("all_gather", *[([uneven], [uneven[r]]) for r in range(3)])
+    assert not same(
+        "all_gather", ([uneven], [uneven[0]]), ([[uneven[0], torch.empty(4), uneven[2]]], [uneven[0]])
+    )
+    # an uneven reduce-scatter: every rank's input list is the same, its output is its entry
+    assert same("reduce_scatter", *[([uneven[r]], [uneven]) for r in range(3)])
+    # shapes that must agree, and roots
+    assert not same("all_reduce", ([torch.ones(4)],), ([torch.ones(8)],))
+    assert not same("all_reduce", ([torch.ones(4)],), ([torch.ones(4, dtype=torch.float64)],))
+    broadcast = dist.BroadcastOptions
+    assert not same(
+        "broadcast", ([torch.ones(4)], _opts(broadcast, 0)), ([torch.ones(4)], _opts(broadcast, 1))
+    )
+    assert (
+        _agreed_call("broadcast", ([torch.ones(4)], _opts(broadcast, 1)), ranks)
+        == "broadcast(float32[4], src=5)"
+    )
+    assert (
+        describe_call("reduce", ([torch.ones(4)], _opts(dist.ReduceOptions, 2)))
+        == "reduce(float32[4], group_dst=2)"
+    )
 
 
 def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: Path) -> None:
@@ -130,7 +255,7 @@ def test_two_ranks_that_call_different_collectives_are_named_as_a_mismatch(tmp_p
         "tensor",
         "all_reduce",
         [],
-        {"1": "broadcast(float32[3])"},
+        {"1": "broadcast(float32[3], src=1)"},
     )
     assert (r1["op"], r1["missing"], r1["mismatched"]) == ("broadcast", [], {"0": "all_reduce(float32[4])"})
     assert all(row["reports"] == [] for row in rows[2:])
@@ -167,6 +292,62 @@ def test_with_async_calls_the_report_is_about_the_oldest_pending_call(tmp_path: 
             assert (report["count"], report["call"]) == (2, "all_reduce(float32[4])"), (row["rank"], report)
             assert (report["missing"], report["mismatched"]) == ([1], {}), (row["rank"], report)
     assert any(row["reports"] for row in rows), rows
+
+
+def shape_cycles(tmp_path: Path, scenario: str) -> dict[str, list[dict]]:
+    """Run ``scenario`` of tests/torchrun_hang.py on 4 ranks; returns call -> each rank's row."""
+    rows = torchrun_rows(tmp_path, scenario, nproc=4)
+    assert all(not c["reports"] for c in rows[3]["cycles"].values()), rows[3]  # rank 3 slept
+    return {call: [row["cycles"][call] for row in rows] for call in rows[0]["cycles"]}
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
+def test_ranks_whose_shapes_differ_where_the_call_allows_it_are_not_mismatched(tmp_path: Path) -> None:
+    # Rank 3 sleeps; ranks 0-2 enter all_to_all_single with rank-dependent splits (an MoE
+    # dispatch), then a gather and a scatter whose root alone passes a list. Every report names
+    # rank 3 missing and nobody mismatched: a handler acting on `mismatched` must not act on
+    # healthy ranks.
+    cycles = shape_cycles(tmp_path, "per_rank_shapes")
+    a2a = cycles["all_to_all_single"]
+    assert [len(row["reports"]) for row in a2a[:3]] == [1, 1, 1], a2a  # every sender waits for rank 3
+    calls = {row["reports"][0]["call"] for row in a2a[:3]}
+    assert len(calls) == 3, calls  # three different shapes ...
+    for call, per_rank in cycles.items():
+        if call != "all_to_all_single":  # the root waits for rank 3 (the others may be done)
+            assert len(per_rank[0]["reports"]) == 1, (call, per_rank[0])
+        for rank, row in enumerate(per_rank[:3]):
+            for report in row["reports"]:
+                assert (report["op"], report["missing"], report["mismatched"]) == (call, [3], {}), (
+                    rank,
+                    report,
+                )
+                assert report["text"].endswith(
+                    "call 2 on the global group (ranks 0, 1, 2, 3): rank 3 never entered it"
+                )
+    assert cycles["gather"][0]["reports"][0]["call"] == "gather(4 x float32[2], float32[2], dst=0)"
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
+def test_ranks_that_entered_another_shape_or_root_are_still_mismatched(tmp_path: Path) -> None:
+    # Rank 3 sleeps; ranks 0 and 1 all-reduce float32[4], rank 2 float32[8]; then ranks 0 and 1
+    # broadcast from rank 0, rank 2 from rank 1.
+    cycles = shape_cycles(tmp_path, "shape_mismatch")
+    for call, mine, theirs in (
+        ("all_reduce", "all_reduce(float32[4])", "all_reduce(float32[8])"),
+        ("broadcast", "broadcast(float32[4], src=0)", "broadcast(float32[4], src=1)"),
+    ):
+        per_rank = cycles[call]
+        assert len(per_rank[0]["reports"]) == 1, (call, per_rank)
+        for rank, row in enumerate(per_rank[:3]):
+            for report in row["reports"]:
+                expected = {"0": mine, "1": mine} if rank == 2 else {"2": theirs}
+                assert (report["call"], report["missing"]) == (theirs if rank == 2 else mine, [3]), report
+                assert report["mismatched"] == expected, (rank, report)
+                assert "rank 3 never entered it" in report["text"], report
+                for other, entered in expected.items():
+                    assert f"rank {other} entered a different call: {entered} (mismatch)" in report["text"]
 
 
 @pytest.mark.faults

@@ -15,6 +15,14 @@ Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
   ``async_op=True`` and waits for both; ranks 2 and 3 call the same two all-reduces one after
   the other (so they wait in the first); rank 1 never comes. Every report is about the first
   all-reduce and names rank 1 alone: the others entered it.
+* ``per_rank_shapes`` (4 ranks, one launch per cycle in the same processes): on the global
+  group rank 3 sleeps while ranks 0-2 enter a call whose shapes legitimately differ by rank:
+  ``all_to_all_single`` with rank-dependent split sizes (as an MoE dispatch), ``gather`` to
+  rank 0 (only the root passes a list), ``scatter`` from rank 0. Rank 3 alone is missing; no
+  rank may be named mismatched.
+* ``shape_mismatch`` (4 ranks, cycles as above, rank 3 asleep): ranks 0 and 1 all-reduce
+  ``float32[4]`` and rank 2 ``float32[8]``; then ranks 0 and 1 broadcast from rank 0 and rank
+  2 from rank 1. Rank 3 is missing and rank 2 (to ranks 0 and 1) is mismatched.
 * ``healthy``: 200 steps of all-reduces on the data, tensor and global groups and a CPU-group
   all_gather_object, with ``after`` = 1 s: no report may come.
 
@@ -38,7 +46,19 @@ import torch.distributed as dist
 import parallelctx
 from parallelctx import HangReport, ParallelMode, gpc
 
-AFTER = {"skip": 2.0, "mismatch": 2.0, "healthy": 1.0, "slow": 1.0, "async": 1.0}
+AFTER = {
+    "skip": 2.0,
+    "mismatch": 2.0,
+    "healthy": 1.0,
+    "slow": 1.0,
+    "async": 1.0,
+    "per_rank_shapes": 1.0,
+    "shape_mismatch": 1.0,
+}
+SHAPE_CYCLES = {
+    "per_rank_shapes": ["all_to_all_single", "gather", "scatter"],
+    "shape_mismatch": ["all_reduce", "broadcast"],
+}
 
 
 def main() -> int:
@@ -55,6 +75,7 @@ def main() -> int:
         row["modes"] = [m.value for m in report.modes]
         row["mismatched"] = {str(k): v for k, v in report.mismatched.items()}
         row["after_entry_s"] = time.perf_counter() - entered.get("t", time.perf_counter())
+        row["text"] = str(report)
         record["reports"].append(row)
         if scenario != "healthy":
             # Abort 2 s later: every waiting rank reports first (one rank's abort may end the
@@ -64,6 +85,10 @@ def main() -> int:
     gpc.on_hang(on_hang)
     if scenario == "slow":
         record["cycles"] = [slow_cycle(config, rank, record, entered) for _ in range(6)]
+        (out / f"rank-{rank}.json").write_text(json.dumps(record))
+        return 0
+    if scenario in SHAPE_CYCLES:
+        record["cycles"] = {call: shape_cycle(config, rank, record, call) for call in SHAPE_CYCLES[scenario]}
         (out / f"rank-{rank}.json").write_text(json.dumps(record))
         return 0
     if scenario == "async":
@@ -151,6 +176,54 @@ def slow_cycle(config: dict, rank: int, record: dict, entered: dict[str, float])
     row["reports"] = record["reports"]
     gpc.destroy()
     return row
+
+
+def shape_cycle(config: dict, rank: int, record: dict, call: str) -> dict:
+    """One launch of ``per_rank_shapes`` or ``shape_mismatch``: rank 3 sleeps, ranks 0-2 enter
+    ``call`` on the global group; returns this rank's reports and how its call ended."""
+    record["reports"] = []
+    parallelctx.launch_from_torch(config)
+    dist.barrier()
+    start = time.monotonic()
+    row: dict = {}
+    if rank != 3:
+        try:
+            collective(call, rank)
+            row["ended"] = "completed"
+        except RuntimeError:
+            row["ended"] = "raised"  # the handler's abort
+    # Every rank, rank 3 included, stays until the reports and aborts are done.
+    time.sleep(max(0.0, start + AFTER["per_rank_shapes"] + 5 - time.monotonic()))
+    row["reports"] = record["reports"]
+    gpc.destroy()
+    return row
+
+
+def collective(call: str, rank: int) -> None:
+    """Rank ``rank`` (0, 1 or 2 of 4) enters ``call`` on the default group, as a user's script."""
+    if call == "all_to_all_single":
+        # Rank r sends SENDS[r][j] rows of 4 to rank j (an MoE dispatch: each rank routes its
+        # own number of tokens to each expert), and receives SENDS[j][r] rows from rank j.
+        sends = [[1, 2, 3, 1], [2, 1, 1, 2], [3, 3, 1, 1], [1, 1, 2, 2]]
+        input_splits = sends[rank]
+        output_splits = [sends[j][rank] for j in range(4)]
+        out = torch.empty(sum(output_splits), 4)
+        inp = torch.full((sum(input_splits), 4), float(rank))
+        dist.all_to_all_single(out, inp, output_split_sizes=output_splits, input_split_sizes=input_splits)
+    elif call == "gather":
+        gather_list = [torch.empty(2) for _ in range(4)] if rank == 0 else None
+        dist.gather(torch.full((2,), float(rank)), gather_list, dst=0)
+    elif call == "scatter":
+        scatter_list = [torch.full((2,), float(j)) for j in range(4)] if rank == 0 else None
+        dist.scatter(torch.empty(2), scatter_list, src=0)
+    elif call == "all_reduce":
+        dist.all_reduce(torch.ones(8 if rank == 2 else 4))
+    elif call == "broadcast":
+        dist.broadcast(torch.ones(4), src=1 if rank == 2 else 0)
+    else:
+        raise ValueError(
+            f"unknown call {call!r}; give one of {[c for calls in SHAPE_CYCLES.values() for c in calls]}"
+        )
 
 
 if __name__ == "__main__":

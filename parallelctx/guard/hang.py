@@ -15,14 +15,19 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
   not pass through these methods and are not counted.
 * **Watching, in one daemon thread** every ``after / 4`` seconds (0.05 s to 1 s): it posts this
   rank's progress (per group: the number of calls entered and the last call, worded as
-  ``all_reduce(float32[4])``) to the launch's store when it changed (one write per tick, off
-  the hot path), and looks for the oldest call on a watched group that has not completed
-  (``Work.is_completed()``; with ``async_op=True`` later calls wait behind it) ``after``
-  seconds after it was entered. For such a call it reads the other members' progress from the
+  ``all_reduce(float32[4])``, and what every member must give alike in it where that is less)
+  to the launch's store when it changed (one write per tick, off the hot path; a call is worded
+  here, once, never on the hot path), and looks for the oldest call on a watched group that
+  has not completed (``Work.is_completed()``; with ``async_op=True`` later calls wait behind
+  it) ``after`` seconds after it was entered. For such a call it reads the other members' progress from the
   store, and makes a :class:`HangReport`: members that entered fewer calls are missing (read a
   second time two ticks later, since a member posts its progress a tick late at most; a call
   that completed meanwhile is not reported), members that entered as many but a different call
-  are mismatched; members that entered more calls entered this one and are neither. The report is logged (once per call) and handed to every handler of
+  are mismatched: another op, or the same op where what every member must give alike differs
+  (an all-reduce's shape, a root; see :func:`_agreed_call`); calls that differ only in shapes
+  a rank may choose alone (all-to-all splits, a gather's or scatter's root list, an uneven
+  all-gather's input) are the same call. Members that entered more calls entered this one and
+  are neither. The report is logged (once per call) and handed to every handler of
   ``gpc.on_hang``, in this thread (a handler may call ``gpc.abort()``).
 """
 
@@ -86,7 +91,11 @@ class HangReport:
         ranks: the group's global ranks.
         missing: sorted global ranks of the group that have not entered this call.
         mismatched: global rank -> the call it entered instead (as many calls as this rank but
-            another one; a rank that entered more calls entered this one and is not named).
+            another one: another op, or the same op with another dtype, another root or another
+            shape where the op needs the same shape on every rank; shapes that may differ by
+            rank, as all-to-all splits, a gather's or scatter's list on the root only and an
+            uneven all-gather's input, make no mismatch; a rank that entered more calls entered
+            this one and is not named).
         waited: seconds this rank has waited in the call.
         progress_known: False when the other ranks' progress could not be read from the store
             (``missing`` and ``mismatched`` are then empty).
@@ -138,35 +147,110 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _tensor_text(value: Any) -> str | None:
+def _tensor_text(value: Any, dims: str = "all") -> str | None:
+    """A tensor (or a list of them) worded as ``float32[4, 8]``; ``dims="rows"`` words the first
+    dimension as ``*`` (``float32[*, 8]``), ``dims="none"`` every one (``float32[...]``)."""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
-        return f"{dtype}[{', '.join(str(d) for d in value.shape)}]"
+        if dims == "none":
+            return f"{dtype}[...]"
+        shape = [str(d) for d in value.shape]
+        if dims == "rows" and shape:
+            shape[0] = "*"
+        return f"{dtype}[{', '.join(shape)}]"
     if isinstance(value, (list, tuple)) and value:
-        inner = [t for t in (_tensor_text(v) for v in value) if t is not None]
+        inner = [t for t in (_tensor_text(v, dims) for v in value) if t is not None]
         if inner:
             same = all(t == inner[0] for t in inner)
             return f"{len(inner)} x {inner[0]}" if same and len(inner) > 1 else ", ".join(inner)
     return None
 
 
-def describe_call(op: str, args: Sequence[Any]) -> str:
-    """Word a collective call: ``op`` and its tensor arguments' dtypes and shapes, e.g.
-    ``"all_reduce(float32[4])"`` or ``"all_gather(8 x float32[2], float32[2])"``. Never raises."""
+_ROOTS: dict[str, str] = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+"""The ops that have a root -> torch's keyword for it."""
+
+
+def _root_text(op: str, args: Sequence[Any], ranks: Sequence[int] | None) -> str | None:
+    """``src=5`` (``dst=5``) for a call with a root: its global rank where ``ranks`` (the group's
+    global ranks in group-rank order) has it, else ``group_src=1``; None for other calls."""
+    keyword = _ROOTS.get(op)
+    root = next((a.rootRank for a in reversed(args) if hasattr(a, "rootRank")), None)
+    if keyword is None or not isinstance(root, int):
+        return None
+    if ranks is not None and 0 <= root < len(ranks):
+        return f"{keyword}={ranks[root]}"
+    return f"group_{keyword}={root}"
+
+
+def _worded(op: str, values: Sequence[Any], root: str | None, dims: str = "all") -> str:
+    texts = [t for t in (_tensor_text(v, dims) for v in values) if t is not None]
+    return f"{op}({', '.join([*texts, *([root] if root else [])])})"
+
+
+def describe_call(op: str, args: Sequence[Any], ranks: Sequence[int] | None = None) -> str:
+    """Word a collective call: ``op``, its tensor arguments' dtypes and shapes and its root, e.g.
+    ``"all_reduce(float32[4])"``, ``"all_gather(8 x float32[2], float32[2])"`` or
+    ``"broadcast(float32[3], src=1)"``. ``args`` are those of the ``ProcessGroup`` method;
+    ``ranks``, the group's global ranks in group-rank order, names a root by its global rank
+    (without it, ``group_src=``/``group_dst=`` names its group rank).
+
+    Returns:
+        The wording. Never raises.
+    """
     try:
-        texts = [t for t in (_tensor_text(a) for a in args) if t is not None]
+        return _worded(op, args, _root_text(op, args, ranks))
     except Exception:  # a describing error must never hide the report
-        texts = []
-    return f"{op}({', '.join(texts)})"
+        return f"{op}()"
+
+
+def _agreed_call(op: str, args: Sequence[Any], ranks: Sequence[int] | None = None) -> str:
+    """What every member of the group must give alike in this call, worded as
+    :func:`describe_call` words the call: the op, the root and the shapes and dtypes, less
+    those a rank may choose alone. Two members whose calls at the same count differ here
+    entered different calls; calls that differ only in what is left out are the same call.
+
+    Left out: ``all_to_all_single`` with split sizes, the first dimension of both tensors
+    (``float32[*, 8]``); ``all_to_all``, every tensor's shape (``float32[...]``); ``gather``,
+    the root's output list (only the root has one); ``scatter``, the root's input list;
+    ``all_gather`` (list form), the input, which is this rank's entry of the output list (an
+    uneven all-gather's output list is the same on every rank, its input is not);
+    ``reduce_scatter`` (list form), the output, likewise. Other calls: the whole wording.
+
+    Returns:
+        The wording. Never raises.
+    """
+    try:
+        root = _root_text(op, args, ranks)
+        if op == "all_to_all_single" and len(args) >= 4 and (args[2] or args[3]):
+            return _worded(op, args[:2], root, dims="rows")
+        if op == "all_to_all":
+            return _worded(op, args, root, dims="none")
+        if op in ("gather", "all_gather") and len(args) >= 2:
+            keep = args[1] if op == "gather" else args[0]
+            return _worded(op, [keep], root)
+        if op in ("scatter", "reduce_scatter") and len(args) >= 2:
+            keep = args[0] if op == "scatter" else args[1]
+            return _worded(op, [keep], root)
+        return _worded(op, args, root)
+    except Exception:  # a describing error must never hide the report
+        return f"{op}()"
 
 
 class _Slot:
     """One watched process group: its calls (written by the collective's thread)."""
 
-    __slots__ = ("call", "calls", "count", "cpu", "key", "modes", "ranks", "reported")
+    __slots__ = ("call", "calls", "count", "cpu", "key", "modes", "order", "ranks", "reported", "words")
 
-    def __init__(self, key: str, modes: tuple[ParallelMode, ...], cpu: bool, ranks: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        key: str,
+        modes: tuple[ParallelMode, ...],
+        cpu: bool,
+        ranks: tuple[int, ...],
+        order: tuple[int, ...],
+    ) -> None:
         self.key, self.modes, self.cpu, self.ranks = key, modes, cpu, ranks
+        self.order = order  # the global ranks in group-rank order (a root's rank -> global)
         self.count = 0
         # A call: [count, op, args, entered, Work] (the Work None while torch has not returned it).
         self.call: list[Any] | None = None  # the last call
@@ -174,6 +258,18 @@ class _Slot:
         # hot path drops the completed ones at its head; the watching thread only reads it.
         self.calls: deque[list[Any]] = deque()
         self.reported = 0  # the count last reported
+        # The watching thread's wording of a call: (call, describe_call, _agreed_call), so
+        # a call is worded once however many ticks it stays the last.
+        self.words: tuple[list[Any] | None, str, str] = (None, "", "")
+
+    def worded(self, call: list[Any]) -> tuple[str, str]:
+        """``call``'s wording and what every member must give alike in it (watching thread)."""
+        last, text, agreed = self.words
+        if last is not call:
+            text = describe_call(call[1], call[2], self.order)
+            agreed = _agreed_call(call[1], call[2], self.order)
+            self.words = (call, text, agreed)
+        return text, agreed
 
     def oldest_pending(self) -> list[Any] | None:
         """The oldest call of this group that has not completed, or None (any thread)."""
@@ -215,6 +311,15 @@ def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -
     return collective
 
 
+def _order(group: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The global ranks of ``group`` in group-rank order (torch's own record of the group), or
+    ``ranks`` where torch has none for it."""
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:
+        return ranks
+
+
 def _pending(work: Any) -> bool:
     if work is _DONE:
         return False
@@ -251,7 +356,7 @@ class HangWatch:
         self._slots: dict[Any, _Slot] = {}
         for group, modes, cpu, ranks in groups:
             if group is not None and group not in self._slots and len(ranks) > 1:
-                self._slots[group] = _Slot(str(group.group_name), modes, cpu, ranks)
+                self._slots[group] = _Slot(str(group.group_name), modes, cpu, ranks, _order(group, ranks))
         self._patches = Patches()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -300,32 +405,39 @@ class HangWatch:
                     self._report(slot, call, now - call[3])
 
     def _progress(self) -> dict[str, Any]:
+        """Per group: [calls entered, the last call's wording], and what every member must give
+        alike in it where that differs from the wording (see :func:`_agreed_call`)."""
         out: dict[str, Any] = {}
         for slot in self._slots.values():
             call = slot.call
             if call is not None:
-                out[slot.key] = [call[0], describe_call(call[1], call[2])]
+                text, agreed = slot.worded(call)
+                out[slot.key] = [call[0], text] if agreed == text else [call[0], text, agreed]
         return out
 
-    def _peers(self, slot: _Slot) -> dict[int, tuple[int, str]] | None:
-        """Each other member's (calls entered, last call) on ``slot``'s group, from the store."""
-        out: dict[int, tuple[int, str]] = {}
+    def _peers(self, slot: _Slot) -> dict[int, tuple[int, str, str]] | None:
+        """Each other member's (calls entered, last call, what must agree in it) on ``slot``'s
+        group, from the store; None when the store could not be read."""
+        out: dict[int, tuple[int, str, str]] = {}
         try:
             for r in slot.ranks:
                 if r == self.rank:
                     continue
                 key = f"hang/{r}"
                 entry = json.loads(self._store.get(key)).get(slot.key) if self._store.check([key]) else None
-                out[r] = (int(entry[0]), str(entry[1])) if entry else (0, "")
+                if entry:
+                    out[r] = (int(entry[0]), str(entry[1]), str(entry[2] if len(entry) > 2 else entry[1]))
+                else:
+                    out[r] = (0, "", "")
         except Exception:
             return None
         return out
 
     def _report(self, slot: _Slot, call: list[Any], waited: float) -> None:
         count, op = call[0], call[1]
-        text = describe_call(op, call[2])
+        text, agreed = slot.worded(call)
         peers = self._peers(slot)
-        if peers is not None and any(theirs < count for theirs, _ in peers.values()):
+        if peers is not None and any(theirs < count for theirs, _, _ in peers.values()):
             # A member's watch posts its progress once a tick, so one that entered this call
             # less than a tick ago reads as behind. Read again two ticks later: a member that had
             # entered the call before this report is then never named missing. A call that
@@ -338,10 +450,13 @@ class HangWatch:
             waited = time.monotonic() - call[3]
         missing: list[int] = []
         mismatched: dict[int, str] = {}
-        for r, (theirs, last) in (peers or {}).items():
+        for r, (theirs, last, their_agreed) in (peers or {}).items():
             if theirs < count:
                 missing.append(r)
-            elif theirs == count and last != text:
+            elif theirs == count and their_agreed != agreed:
+                # Another call: another op, or what every member must give alike differs (a
+                # shape of an all-reduce, a root). Shapes a rank may choose alone (all-to-all
+                # splits, a gather's root list, an uneven all-gather's input) are no mismatch.
                 mismatched[r] = last
             # More calls: it entered this one and went on (async_op=True, or a broadcast's
             # root); its call number `count` is not posted, so it is not called a mismatch.
