@@ -19,6 +19,7 @@ from parallelctx import plan
 from parallelctx.cli.sweep import check_all, check_membership, check_plan, parse_ranks
 from parallelctx.dryrun import parse_simulate, torchrun_environment
 from parallelctx.layout import ParallelMode
+from parallelctx.planning.covering import covering_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dry_run" / "train.py"
@@ -363,11 +364,53 @@ def test_plugin_simulate_true_runs_a_4096_rank_test_on_the_pool(pytester: pytest
     result.assert_outcomes(passed=1, failed=2)
     played = sorted(int(p.name.split("-")[1]) for p in pytester.path.glob("played-*"))
     layout = plan(4096, tensor=8, pipeline=16)
-    ends = {*layout.group_of("pipeline", 0), *layout.group_of("pipeline", 4095)}
-    assert played == sorted(ends) and len(played) == 32 and {0, 4095} <= set(played)
+    assert played == covering_ranks(layout) and len(played) == 32 and {0, 4095} <= set(played)
+    for axis, size in (("tp", 8), ("pp", 16), ("dp", 32)):  # every coordinate of every axis
+        assert {layout.coords(r)[axis] for r in played} == set(range(size)), axis
     text = result.stdout.str()
     assert "rank 17 skipped new_group([0, 1, 2, 3])" in text
     assert "dry run of rank 40 of 64" in text and "wrong on the last rank" in text
+
+
+def test_plugin_simulate_default_ranks_find_bugs_on_interior_ranks(pytester: pytest.Pytester) -> None:
+    # Before the covering set the default ranks were the first and last of each pipeline stage
+    # and of the world: all three buggy tests passed.
+    pytester.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.parallel(world_size=64, pipeline=4, simulate=True)
+        def test_rank_17_skips_a_world_group():
+            if dist.get_rank() != 17:
+                dist.new_group([0, 1, 2, 3])
+
+        @pytest.mark.parallel(world_size=64, tensor=2, pipeline=4, simulate=True)
+        def test_data_rank_5_skips_a_world_group():
+            # the tensor rank is the fastest axis, the data rank the next: data index 5 of 8
+            if (dist.get_rank() // 2) % 8 != 5:
+                dist.new_group([0, 1])
+
+        @pytest.mark.parallel(world_size=64, tensor=2, pipeline=4, expert=4, simulate=True)
+        def test_expert_rank_2_skips_a_world_group():
+            # expert index: after the expert-tensor axis (size 2), 4 experts
+            if (dist.get_rank() // 2) % 4 != 2:
+                dist.new_group([0, 1])
+
+        @pytest.mark.parallel(world_size=64, tensor=2, pipeline=4, simulate=True)
+        def test_every_rank_makes_the_group():
+            dist.new_group([0, 1])
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rf")
+    result.assert_outcomes(passed=1, failed=3)
+    text = result.stdout.str()
+    assert "rank 17 skipped new_group([0, 1, 2, 3])" in text
+    layout = plan(64, tensor=2, pipeline=4)
+    data_5 = [r for r in range(64) if layout.local_rank("data", r) == 5]
+    assert any(f"rank {r} skipped new_group([0, 1])" in text for r in data_5), text
+    moe = plan(64, tensor=2, pipeline=4, expert=4)
+    expert_2 = [r for r in range(64) if moe.local_rank("expert", r) == 2]
+    assert any(f"rank {r} skipped new_group([0, 1])" in text for r in expert_2), text
 
 
 def test_the_dry_run_benchmark_runs_once_at_a_tiny_size() -> None:
