@@ -144,6 +144,39 @@ def test_sweep_of_all_ranks_names_the_rank_that_skips_a_world_group(tmp_path: Pa
     )
 
 
+def test_sweep_of_the_covering_set_names_the_ranks_of_one_data_index_that_skip_a_world_group(
+    tmp_path: Path,
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        import torch.distributed as dist
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=4)))
+        # rank = tensor + 2 * data + 16 * stage: with --bug the ranks of data index 5 skip it
+        if "--bug" not in sys.argv or (dist.get_rank() // 2) % 8 != 5:
+            dist.new_group([0, 1])
+        """,
+    )
+    out = tmp_path / "sweep.json"
+    proc = _cli("--world-size", 64, "--ranks", "cover", "--json", out, script, "--bug", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    layout = plan(64, tensor=2, pipeline=4)
+    swept = sorted(int(r) for r in json.loads(out.read_text())["reports"])
+    assert swept == covering_ranks(layout) and len(swept) == 8 and "8 of 64 ranks" in proc.stdout
+    data_5 = [r for r in swept if layout.local_rank("data", r) == 5]
+    named = [ln.split()[1] for ln in proc.stdout.splitlines() if "skipped new_group([0, 1])" in ln]
+    assert named == [str(r) for r in data_5] and len(named) == 1, proc.stdout
+    clean = _cli("--world-size", 64, "--ranks", "cover", script, cwd=tmp_path)
+    assert clean.returncode == 0 and "8 of 64 ranks" in clean.stdout, clean.stdout + clean.stderr
+    # the layout comes from rank 0's launch: a rank 0 that never launches leaves nothing to cover
+    broken = _script(tmp_path, "raise SystemExit('no config here')\n", name="broken.py")
+    proc = _cli("--world-size", 64, "--ranks", "cover", broken, cwd=tmp_path)
+    assert proc.returncode == 1 and "1 of 64 ranks" in proc.stdout, proc.stdout + proc.stderr
+    assert "--ranks cover: no launch of gpc finished on rank 0" in proc.stdout
+
+
 def test_sweep_passes_a_consistent_script_and_writes_every_report(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     proc = _cli("--world-size", 1024, "--ranks", "sample:6", "--json", out, TRAIN, cwd=tmp_path)
@@ -305,6 +338,13 @@ def test_parse_simulate_and_ranks_name_the_bad_value() -> None:
     with pytest.raises(ValueError, match="nproc_per_node=3"):
         parse_simulate({"world_size": 16, "rank": 0, "nproc_per_node": 3})
     assert parse_ranks("0,17,9000", 16384) == [0, 17, 9000]
+    assert parse_ranks(" cover", 64, layout=plan(64, tensor=2, pipeline=4)) == [0, 8, 19, 27, 36, 44, 55, 63]
+    with pytest.raises(ValueError, match="--ranks cover needs the layout"):
+        parse_ranks("cover", 64)
+    with pytest.raises(ValueError, match="the layout has 32 ranks, not world_size=64"):
+        parse_ranks("cover", 64, layout=plan(32, tensor=2))
+    with pytest.raises(ValueError, match="'covr' is not a rank; use all, cover,"):
+        parse_ranks("covr", 64)
     picked = parse_ranks("sample:10", 1024)
     assert len(picked) == 10 and picked[0] == 0 and picked[-1] == 1023
     with pytest.raises(ValueError, match="rank 9000 is outside"):
