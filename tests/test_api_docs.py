@@ -46,6 +46,7 @@ MODULES = [
     "cli.sweep",
     "dryrun",
     "planning.simulation",
+    "planning.covering",
     "config.values",
     "config.schema",
     "config.errors",

@@ -19,6 +19,7 @@ from parallelctx import plan
 from parallelctx.cli.sweep import check_all, check_membership, check_plan, parse_ranks
 from parallelctx.dryrun import parse_simulate, torchrun_environment
 from parallelctx.layout import ParallelMode
+from parallelctx.planning.covering import covering_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "examples" / "dry_run" / "train.py"
@@ -141,6 +142,39 @@ def test_sweep_of_all_ranks_names_the_rank_that_skips_a_world_group(tmp_path: Pa
         f"{world} of {world} ranks" in proc.stdout
         and "0 ranks failed, 1 cross-rank mismatches" in proc.stdout
     )
+
+
+def test_sweep_of_the_covering_set_names_the_ranks_of_one_data_index_that_skip_a_world_group(
+    tmp_path: Path,
+) -> None:
+    script = _script(
+        tmp_path,
+        """
+        import sys
+        import torch.distributed as dist
+        import parallelctx
+        parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=4)))
+        # rank = tensor + 2 * data + 16 * stage: with --bug the ranks of data index 5 skip it
+        if "--bug" not in sys.argv or (dist.get_rank() // 2) % 8 != 5:
+            dist.new_group([0, 1])
+        """,
+    )
+    out = tmp_path / "sweep.json"
+    proc = _cli("--world-size", 64, "--ranks", "cover", "--json", out, script, "--bug", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    layout = plan(64, tensor=2, pipeline=4)
+    swept = sorted(int(r) for r in json.loads(out.read_text())["reports"])
+    assert swept == covering_ranks(layout) and len(swept) == 8 and "8 of 64 ranks" in proc.stdout
+    data_5 = [r for r in swept if layout.local_rank("data", r) == 5]
+    named = [ln.split()[1] for ln in proc.stdout.splitlines() if "skipped new_group([0, 1])" in ln]
+    assert named == [str(r) for r in data_5] and len(named) == 1, proc.stdout
+    clean = _cli("--world-size", 64, "--ranks", "cover", script, cwd=tmp_path)
+    assert clean.returncode == 0 and "8 of 64 ranks" in clean.stdout, clean.stdout + clean.stderr
+    # the layout comes from rank 0's launch: a rank 0 that never launches leaves nothing to cover
+    broken = _script(tmp_path, "raise SystemExit('no config here')\n", name="broken.py")
+    proc = _cli("--world-size", 64, "--ranks", "cover", broken, cwd=tmp_path)
+    assert proc.returncode == 1 and "1 of 64 ranks" in proc.stdout, proc.stdout + proc.stderr
+    assert "--ranks cover: no launch of gpc finished on rank 0" in proc.stdout
 
 
 def test_sweep_passes_a_consistent_script_and_writes_every_report(tmp_path: Path) -> None:
@@ -304,6 +338,13 @@ def test_parse_simulate_and_ranks_name_the_bad_value() -> None:
     with pytest.raises(ValueError, match="nproc_per_node=3"):
         parse_simulate({"world_size": 16, "rank": 0, "nproc_per_node": 3})
     assert parse_ranks("0,17,9000", 16384) == [0, 17, 9000]
+    assert parse_ranks(" cover", 64, layout=plan(64, tensor=2, pipeline=4)) == [0, 8, 19, 27, 36, 44, 55, 63]
+    with pytest.raises(ValueError, match="--ranks cover needs the layout"):
+        parse_ranks("cover", 64)
+    with pytest.raises(ValueError, match="the layout has 32 ranks, not world_size=64"):
+        parse_ranks("cover", 64, layout=plan(32, tensor=2))
+    with pytest.raises(ValueError, match="'covr' is not a rank; use all, cover,"):
+        parse_ranks("covr", 64)
     picked = parse_ranks("sample:10", 1024)
     assert len(picked) == 10 and picked[0] == 0 and picked[-1] == 1023
     with pytest.raises(ValueError, match="rank 9000 is outside"):
@@ -363,11 +404,53 @@ def test_plugin_simulate_true_runs_a_4096_rank_test_on_the_pool(pytester: pytest
     result.assert_outcomes(passed=1, failed=2)
     played = sorted(int(p.name.split("-")[1]) for p in pytester.path.glob("played-*"))
     layout = plan(4096, tensor=8, pipeline=16)
-    ends = {*layout.group_of("pipeline", 0), *layout.group_of("pipeline", 4095)}
-    assert played == sorted(ends) and len(played) == 32 and {0, 4095} <= set(played)
+    assert played == covering_ranks(layout) and len(played) == 32 and {0, 4095} <= set(played)
+    for axis, size in (("tp", 8), ("pp", 16), ("dp", 32)):  # every coordinate of every axis
+        assert {layout.coords(r)[axis] for r in played} == set(range(size)), axis
     text = result.stdout.str()
     assert "rank 17 skipped new_group([0, 1, 2, 3])" in text
     assert "dry run of rank 40 of 64" in text and "wrong on the last rank" in text
+
+
+def test_plugin_simulate_default_ranks_find_bugs_on_interior_ranks(pytester: pytest.Pytester) -> None:
+    # Before the covering set the default ranks were the first and last of each pipeline stage
+    # and of the world: all three buggy tests passed.
+    pytester.makepyfile(
+        """
+        import pytest, torch.distributed as dist
+
+        @pytest.mark.parallel(world_size=64, pipeline=4, simulate=True)
+        def test_rank_17_skips_a_world_group():
+            if dist.get_rank() != 17:
+                dist.new_group([0, 1, 2, 3])
+
+        @pytest.mark.parallel(world_size=64, tensor=2, pipeline=4, simulate=True)
+        def test_data_rank_5_skips_a_world_group():
+            # the tensor rank is the fastest axis, the data rank the next: data index 5 of 8
+            if (dist.get_rank() // 2) % 8 != 5:
+                dist.new_group([0, 1])
+
+        @pytest.mark.parallel(world_size=64, tensor=2, pipeline=4, expert=4, simulate=True)
+        def test_expert_rank_2_skips_a_world_group():
+            # expert index: after the expert-tensor axis (size 2), 4 experts
+            if (dist.get_rank() // 2) % 4 != 2:
+                dist.new_group([0, 1])
+
+        @pytest.mark.parallel(world_size=64, tensor=2, pipeline=4, simulate=True)
+        def test_every_rank_makes_the_group():
+            dist.new_group([0, 1])
+        """
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rf")
+    result.assert_outcomes(passed=1, failed=3)
+    text = result.stdout.str()
+    assert "rank 17 skipped new_group([0, 1, 2, 3])" in text
+    layout = plan(64, tensor=2, pipeline=4)
+    data_5 = [r for r in range(64) if layout.local_rank("data", r) == 5]
+    assert any(f"rank {r} skipped new_group([0, 1])" in text for r in data_5), text
+    moe = plan(64, tensor=2, pipeline=4, expert=4)
+    expert_2 = [r for r in range(64) if moe.local_rank("expert", r) == 2]
+    assert any(f"rank {r} skipped new_group([0, 1])" in text for r in expert_2), text
 
 
 def test_the_dry_run_benchmark_runs_once_at_a_tiny_size() -> None:

@@ -2,7 +2,7 @@
 
     parallelctx dry-run --world-size 16384 --rank 12345 [--nproc-per-node 8] [--config CFG]
                         [--json OUT] script.py [args...]
-    parallelctx dry-run --world-size 1024 --ranks all|0,17,9000|sample:N [--jobs J] script.py
+    parallelctx dry-run --world-size 1024 --ranks all|cover|0,17,9000|sample:N [--jobs J] script.py
 
 One rank: this process gets the variables torchrun would give that rank, ``gpc`` is armed with
 the simulation (:mod:`parallelctx.dryrun`), and the script runs as ``__main__``; its
@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--json", default=None, metavar="OUT", help="write the report (sweep: all reports) here"
     )
     parser.add_argument(
-        "--ranks", default=None, help="sweep: all | 0,17,9000 | sample:N, then check across ranks"
+        "--ranks",
+        default=None,
+        help="sweep: all | cover (every coordinate of every axis) | 0,17,9000 | sample:N, then check across ranks",
     )
     parser.add_argument(
         "--jobs", type=int, default=None, help="sweep: ranks run at a time (default: the CPU count)"
@@ -341,16 +343,45 @@ def _ranges(ranks: list[int]) -> str:
     return ", ".join(parts)
 
 
+def _covered_sweep(args: argparse.Namespace) -> tuple[list[int], dict[int, dict[str, Any]], list[str]]:
+    """``--ranks cover``: run rank 0, read the layout its launch made from its report, then run
+    the rest of that layout's covering set.
+
+    Returns:
+        ``(ranks, reports by rank, failures)``; only rank 0 when it failed before its launch
+        (the layout is unknown then; a failure says so).
+    """
+    from ..config import Config
+    from .sweep import parse_ranks
+
+    reports, failures = run_sweep(args, [0])
+    first = reports.get(0, {})
+    if "parallel" not in first:
+        failures.append(
+            "--ranks cover: no launch of gpc finished on rank 0, so the layout whose axes the ranks "
+            "must cover is unknown; fix rank 0 (above) or name the ranks (--ranks all, 0,17,9000, sample:N)"
+        )
+        return [0], reports, failures
+    layout = Config({"parallel": first["parallel"]}).parallel.to_layout(first["world_size"])
+    ranks = parse_ranks("cover", args.world_size, layout=layout)
+    more, more_failures = run_sweep(args, ranks[1:])
+    return ranks, {**reports, **more}, failures + more_failures
+
+
 def _run_many(args: argparse.Namespace) -> int:
     from .sweep import check_all, parse_ranks
 
+    cover = args.ranks.strip() == "cover"
     try:
-        ranks = parse_ranks(args.ranks, args.world_size)
+        ranks = [] if cover else parse_ranks(args.ranks, args.world_size)
     except ValueError as exc:
         print(f"parallelctx dry-run: {exc}", file=sys.stderr)
         return 2
     begin = time.perf_counter()
-    reports, failures = run_sweep(args, ranks)
+    if cover:
+        ranks, reports, failures = _covered_sweep(args)
+    else:
+        reports, failures = run_sweep(args, ranks)
     mismatches = check_all(reports)
     took = time.perf_counter() - begin
     for line in failures + mismatches:

@@ -7,7 +7,7 @@ parallelctx plan --world-size 16 --tensor 2 --pipeline 2 [--context N] [--expert
                  [--nodes N] [--json] [--output FILE] [--png FILE] [--svg FILE]
 parallelctx check [--config FILE] [--sizes 4KiB,1MiB,16MiB] [--json]   under a launcher
 parallelctx env [--json]     which launcher started this process and what it said
-parallelctx dry-run --world-size W [--rank R | --ranks all|0,17|sample:N] script.py [args...]
+parallelctx dry-run --world-size W [--rank R | --ranks all|cover|0,17|sample:N] script.py [args...]
                              run a script as rank R of a W-rank job on torch's fake backend
 
 Each command lives in its own module of this package and is imported only when it runs, so

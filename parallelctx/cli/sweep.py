@@ -29,16 +29,30 @@ __all__ = [
 Reports = Mapping[int, Mapping[str, Any]]
 
 
-def parse_ranks(spec: str, world_size: int, seed: int = 0) -> list[int]:
-    """Return the ranks ``--ranks`` names: ``all``, a list ``0,17,9000``, or ``sample:N`` (rank 0,
-    the last rank and N-2 others drawn with ``seed``), ascending.
+def parse_ranks(spec: str, world_size: int, seed: int = 0, layout: Layout | None = None) -> list[int]:
+    """Return the ranks ``--ranks`` names: ``all``, a list ``0,17,9000``, ``sample:N`` (rank 0,
+    the last rank and N-2 others drawn with ``seed``), or ``cover`` (``layout``'s covering set,
+    :func:`parallelctx.planning.covering.covering_ranks`: every coordinate of every axis, rank 0
+    and the last rank), ascending.
 
     Raises:
-        ValueError: a malformed spec or a rank outside ``[0, world_size)`` (the message names it).
+        ValueError: a malformed spec, a rank outside ``[0, world_size)``, or ``cover`` without a
+            layout or with one of another world size (the message names it).
     """
     spec = spec.strip()
     if spec == "all":
         return list(range(world_size))
+    if spec == "cover":
+        from ..planning.covering import covering_ranks
+
+        if layout is None:
+            raise ValueError("--ranks cover needs the layout (the ranks cover its axes); pass layout=")
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"--ranks cover: the layout has {layout.world_size} ranks, not world_size={world_size}; "
+                "plan the layout for the world size swept"
+            )
+        return covering_ranks(layout)
     if spec.startswith("sample:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -59,7 +73,7 @@ def parse_ranks(spec: str, world_size: int, seed: int = 0) -> list[int]:
             r = int(part)
         except ValueError:
             raise ValueError(
-                f"--ranks {spec!r}: {part!r} is not a rank; use all, 0,17,9000 or sample:N"
+                f"--ranks {spec!r}: {part!r} is not a rank; use all, cover, 0,17,9000 or sample:N"
             ) from None
         if not 0 <= r < world_size:
             raise ValueError(f"--ranks: rank {r} is outside [0, world_size={world_size})")

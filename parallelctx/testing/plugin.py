@@ -204,14 +204,18 @@ def simulated_ranks(
     kwargs: Mapping[str, Any], world_size: int, config: Mapping[str, Any]
 ) -> list[int] | None:
     """The ranks a ``simulate=True`` marker runs the test as (dry runs on torch's fake
-    backend): its ``ranks=``, else the first and last rank of every pipeline stage and of the
-    world. None for a marker without ``simulate=True``.
+    backend): its ``ranks=``, else the layout's covering set
+    (:func:`parallelctx.planning.covering.covering_ranks`: every coordinate of every axis held
+    by some rank, rank 0 and the last rank, about as many ranks as the largest axis).
+
+    Returns:
+        The ranks, ascending; None for a marker without ``simulate=True``.
 
     Raises:
         MarkerError: ``ranks=`` without ``simulate=True``, or a rank outside the world.
     """
     from parallelctx.config import Config
-    from parallelctx.planning.layout import ParallelMode
+    from parallelctx.planning.covering import covering_ranks
 
     if not kwargs.get("simulate"):
         if "ranks" in kwargs:
@@ -221,11 +225,7 @@ def simulated_ranks(
         return None
     ranks = kwargs.get("ranks")
     if ranks is None:
-        layout = Config(dict(config)).parallel.to_layout(world_size)
-        ends = layout.group_of(ParallelMode.PIPELINE, 0) + layout.group_of(
-            ParallelMode.PIPELINE, world_size - 1
-        )
-        return sorted({0, world_size - 1, *ends})
+        return covering_ranks(Config(dict(config)).parallel.to_layout(world_size))
     if not isinstance(ranks, (list, tuple, range)) or not ranks:
         raise MarkerError(f"ranks={ranks!r} must be a non-empty list of ranks, e.g. ranks=[0, 17, 4095]")
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
