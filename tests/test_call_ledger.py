@@ -3,7 +3,7 @@
 The scripts in examples/deadlocks/ are written as a user's training code (torch's own dist.*
 calls on gpc's groups); each plants one bug behind a flag. A 256-rank sweep of each exits 1 and
 names the bug's ranks, group and call site; the same script without the bug exits 0 (the
-256-rank sweeps run under `make test-sweeps`; a 32-rank one runs here).
+sweeps run under `make test-sweeps`; the checks on made-up reports run in `make test`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def sweep(
     world: int, script: str, *args: str, extra: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", str(world), "--ranks", "all"]
-    cmd += ["--quiet", *extra, str(SCRIPTS / script), *args]
+    cmd += ["--quiet", *extra, f"examples/deadlocks/{script}", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -193,6 +193,7 @@ def test_a_difference_after_the_window_is_still_found() -> None:
 
 
 # ---------------------------------------------------------------- sweeps of the user's scripts
+@pytest.mark.sweeps
 def test_a_32_rank_sweep_names_the_cycle_and_passes_the_serialising_swap() -> None:
     bad = sweep(32, "swapped_groups.py", "--bug", "cycle")
     assert bad.returncode == 1, bad.stdout + bad.stderr
@@ -203,6 +204,7 @@ def test_a_32_rank_sweep_names_the_cycle_and_passes_the_serialising_swap() -> No
         assert good.returncode == 0 and "all checks passed" in good.stdout, good.stdout + good.stderr
 
 
+@pytest.mark.sweeps
 def test_calls_are_not_recorded_when_turned_off_and_a_script_without_collectives_sweeps() -> None:
     off = sweep(32, "swapped_groups.py", "--bug", "cycle", extra=("--no-record-calls",))
     assert off.returncode == 0, off.stdout + off.stderr  # nothing recorded, nothing checked
