@@ -355,3 +355,48 @@ def test_ranks_that_entered_another_shape_or_root_are_still_mismatched(tmp_path:
 def test_no_report_on_a_healthy_200_step_loop(tmp_path: Path) -> None:
     rows = torchrun_rows(tmp_path, "healthy")
     assert all(row["reports"] == [] and row["steps"] == 200 for row in rows), rows
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_a_pipeline_stage_that_skips_a_recv_is_named_with_the_pair(tmp_path: Path) -> None:
+    proc = run_torchrun(8, ["tests/torchrun_pipeline_hang.py", str(tmp_path)], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json"))}
+    assert sorted(rows) == list(range(8)), proc.stdout[-3000:]
+    (skipper,) = [r for r in rows.values() if r["skips"]]
+    upstream, who = skipper["prev"], skipper["rank"]
+    hung = [r for r in rows.values() if r["reports"]]
+    assert [r["rank"] for r in hung] == [upstream], hung  # gloo: the third send waits for its receive
+    (report,) = rows[upstream]["reports"]
+    assert (report["op"], report["peer"], report["missing"], report["count"]) == ("send", who, [who], 3), (
+        report
+    )
+    assert report["mode"] == "global" and report["peer_count"] == 2, report  # dist.send without group=
+    assert report["after_entry_s"] < 2.0 + 5.0, report
+    text = report["text"]
+    assert f"rank {upstream} (pipeline stage 1, tensor rank 0) has waited" in text, text
+    assert f"in send(float32[4, 8] to rank {who}), send 3 to rank {who} on the global group" in text, text
+    assert (
+        f"rank {who} (pipeline stage 2, tensor rank 0) never received it (it received 2 times from rank {upstream}"
+        in text
+    )
+    assert f"its last calls on this group: send(float32[4, 8] to rank {skipper['next']})" in text, text
+
+
+def test_a_receive_that_waits_names_the_skipped_receive_one_stage_up() -> None:
+    # The report's wording for the other side: this rank waits in a receive from rank 4, which
+    # never sent, because rank 4 skipped a receive from rank 2 (as on a backend whose sends
+    # complete without their receives).
+    report = HangReport(
+        mode=ParallelMode.PIPELINE, modes=(ParallelMode.PIPELINE,), cpu=False, op="recv",
+        call="recv(float32[4, 8] from rank 4)", count=3, rank=6, ranks=(0, 2, 4, 6), missing=(4,),
+        peer=4, peer_count=2, peer_last=("send(float32[4, 8] to rank 6)",),
+        where={6: "pipeline stage 3", 4: "pipeline stage 2", 2: "pipeline stage 1"}, skipped=((2, 4, 3, 2),),
+    )  # fmt: skip
+    assert str(report) == (
+        "rank 6 (pipeline stage 3) has waited 0.0 s in recv(float32[4, 8] from rank 4), receive 3 from rank 4 "
+        "on the pipeline group (ranks 0, 2, 4, 6): rank 4 (pipeline stage 2) never sent it (it sent 2 times to "
+        "rank 6; its last calls on this group: send(float32[4, 8] to rank 6)); rank 2 (pipeline stage 1) sent 3 "
+        "times to rank 4, which received 2: rank 4 skipped a receive from rank 2"
+    )

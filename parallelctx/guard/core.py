@@ -156,11 +156,13 @@ class Guard:
         rank: int,
         store: Any,
         groups: Mapping[ParallelMode, Any],
+        where: Callable[[int], str] | None = None,
     ) -> None:
         """Start the hang report of a launch: watch ``groups`` (mode -> a group with ``ranks``,
         ``group`` and ``cpu_group``, as :class:`parallelctx.runtime.groups.ModeGroup`) and report
         a call that waited longer than ``after`` to the handlers, reading the peers' progress
-        from ``store``. A report's ``abort()`` aborts this launch only. Returns None."""
+        from ``store``; ``where(rank)`` words a rank's place in a point-to-point report. A
+        report's ``abort()`` aborts this launch only. Returns None."""
         watched: dict[int, tuple[Any, list[ParallelMode], bool, tuple[int, ...]]] = {}
         for mode, g in groups.items():
             for group, cpu in ((g.group, False), (g.cpu_group, True)):
@@ -188,6 +190,7 @@ class Guard:
             self._handlers,
             log=log,
             aborter=abort_this_launch,
+            where=where,
         )
         self._watch = watch
         watch.start()

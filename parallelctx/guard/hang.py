@@ -10,9 +10,12 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
   are wrapped while a watch runs (a ProcessGroup accepts no per-object attribute, so the class
   is wrapped and every other group passes straight through). For a watched group, a call
   counts itself and keeps a reference to its arguments and to the ``Work`` torch returns: a
-  dict lookup, three attribute writes, no store, no string. Point-to-point calls and torch's
-  functional collectives (``torch.distributed._functional_collectives``, used by DTensor) do
-  not pass through these methods and are not counted.
+  dict lookup, three attribute writes, no store, no string. Point-to-point calls
+  (``ProcessGroup.send``/``recv``/``recv_anysource``, which ``send``, ``isend``, ``recv``,
+  ``irecv`` and ``batch_isend_irecv`` call) are counted apart, per direction and peer, and
+  reported with the peer (:meth:`HangWatch._report_p2p`). Torch's functional collectives
+  (``torch.distributed._functional_collectives``, used by DTensor) do not pass through these
+  methods and are not counted.
 * **Watching, in one daemon thread** every ``after / 4`` seconds (0.05 s to 1 s): it posts this
   rank's progress (per group: the number of calls entered and the last call, worded as
   ``all_reduce(float32[4])``, and what every member must give alike in it where that is less)
@@ -50,7 +53,7 @@ import torch.distributed as dist
 from ..planning.layout import ParallelMode
 from .patch import Patches
 
-__all__ = ["OPS", "HangReport", "HangWatch", "describe_call"]
+__all__ = ["OPS", "P2P_OPS", "HangReport", "HangWatch", "describe_call"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -73,6 +76,10 @@ OPS: dict[str, str] = {
     "barrier": "barrier",
 }
 """``ProcessGroup`` method -> the ``torch.distributed`` function that calls it (the op named)."""
+
+P2P_OPS: dict[str, str] = {"send": "send", "recv": "recv", "recv_anysource": "recv"}
+"""``ProcessGroup`` point-to-point method -> its direction (``send``/``isend`` call ``send``,
+``recv``/``irecv`` call ``recv`` or, from any source, ``recv_anysource``)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,19 @@ class HangReport:
         waited: seconds this rank has waited in the call.
         progress_known: False when the other ranks' progress could not be read from the store
             (``missing`` and ``mismatched`` are then empty).
+        peer: for a point-to-point call (``op`` ``"send"`` or ``"recv"``; ``count`` counts this
+            rank's calls of that direction with that peer), the peer's global rank (None: a
+            receive from any rank); ``missing`` is ``(peer,)`` when the peer made fewer of the
+            matching calls.
+        peer_count: how many matching calls the peer made (sends to this rank for a receive,
+            receives from it for a send), when read.
+        peer_last: the peer's last point-to-point call and last collective on this group.
+        where: global rank -> its place (``"pipeline stage 1, tensor rank 0"``) for this rank,
+            the peer and the ranks of ``skipped``.
+        skipped: when the peer never made the matching call, the sends to the peer it did not
+            receive: ``(sender, peer, sent, received)`` for each other member of the group that
+            sent the peer more than the peer received from it (for a receive that waits: the
+            receive the peer skipped one stage up, which holds the peer's own send back).
 
     :meth:`abort` aborts the launch that made the report, and nothing once it was destroyed.
     """
@@ -116,6 +136,11 @@ class HangReport:
     waited: float = 0.0
     progress_known: bool = True
     aborter: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    peer: int | None = None
+    peer_count: int | None = None
+    peer_last: tuple[str, ...] = ()
+    where: dict[int, str] = field(default_factory=dict)
+    skipped: tuple[tuple[int, int, int, int], ...] = ()
 
     def abort(self) -> int:
         """Call ``gpc.abort()`` if the launch that made this report is still the current one
@@ -128,6 +153,8 @@ class HangReport:
 
     def __str__(self) -> str:
         group = f"the {self.mode.value} group{' (CPU twin)' if self.cpu else ''} (ranks {_ranks(self.ranks)})"
+        if self.op in P2P_OPS.values():
+            return self._p2p_text(group)
         head = f"rank {self.rank} has waited {self.waited:.1f} s in {self.call}, call {self.count} on {group}"
         if not self.progress_known:
             return f"{head}; the other ranks' progress could not be read from the launch's store"
@@ -141,6 +168,35 @@ class HangReport:
         return f"{head}: " + (
             "; ".join(parts) if parts else "every rank entered it (it is slow, not missing)"
         )
+
+    def _at(self, rank: int | None) -> str:
+        place = self.where.get(rank) if rank is not None else None
+        return f" ({place})" if place else ""
+
+    def _p2p_text(self, group: str) -> str:
+        send = self.op == "send"
+        which = f"{'send' if send else 'receive'} {self.count} {'to' if send else 'from'} " + (
+            "any rank" if self.peer is None else f"rank {self.peer}"
+        )
+        head = f"rank {self.rank}{self._at(self.rank)} has waited {self.waited:.1f} s in {self.call}, {which} on {group}"
+        if self.peer is None:
+            return f"{head}: no rank of the group has sent to it"
+        if not self.progress_known or self.peer_count is None:
+            return f"{head}; rank {self.peer}'s progress could not be read from the launch's store"
+        theirs = (
+            f"it {'received' if send else 'sent'} {self.peer_count} time{'s' if self.peer_count != 1 else ''} "
+            f"{'from' if send else 'to'} rank {self.rank}; its last calls on this group: "
+            + (", ".join(self.peer_last) if self.peer_last else "none")
+        )
+        if self.missing:
+            text = f"{head}: rank {self.peer}{self._at(self.peer)} never {'received' if send else 'sent'} it ({theirs})"
+            for sender, peer, sent, got in self.skipped:
+                text += (
+                    f"; rank {sender}{self._at(sender)} sent {sent} times to rank {peer}, which received "
+                    f"{got}: rank {peer} skipped a receive from rank {sender}"
+                )
+            return text
+        return f"{head}: rank {self.peer}{self._at(self.peer)} made the matching call ({theirs}); it is slow, not missing"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -239,7 +295,8 @@ def _agreed_call(op: str, args: Sequence[Any], ranks: Sequence[int] | None = Non
 class _Slot:
     """One watched process group: its calls (written by the collective's thread)."""
 
-    __slots__ = ("call", "calls", "count", "cpu", "key", "modes", "order", "ranks", "reported", "words")
+    __slots__ = ("call", "calls", "count", "cpu", "key", "modes", "order", "p2p", "p2p_calls", "p2p_last",
+                 "p2p_reported", "p2p_words", "ranks", "reported", "words")  # fmt: skip
 
     def __init__(
         self,
@@ -261,6 +318,26 @@ class _Slot:
         # The watching thread's wording of a call: (call, describe_call, _agreed_call), so
         # a call is worded once however many ticks it stays the last.
         self.words: tuple[list[Any] | None, str, str] = (None, "", "")
+        # Point-to-point: calls per "send <group rank>" / "recv <group rank>" / "recv any", and
+        # the pending ones ([count, direction, args, entered, Work, peer's group rank or None]).
+        self.p2p: dict[str, int] = {}
+        self.p2p_calls: deque[list[Any]] = deque()
+        self.p2p_last: list[Any] | None = None
+        self.p2p_reported: list[Any] | None = None
+        self.p2p_words: tuple[list[Any] | None, str] = (None, "")
+
+    def p2p_worded(self, call: list[Any]) -> str:
+        """``call``'s wording, ``recv(float32[4, 8] from rank 5)`` (watching thread)."""
+        last, text = self.p2p_words
+        if last is not call:
+            peer = call[5]
+            other = (
+                "any rank" if peer is None else f"rank {self.order[peer] if peer < len(self.order) else peer}"
+            )
+            tensors = _tensor_text(call[2][0]) if call[2] else None
+            text = f"{call[1]}({tensors or ''} {'to' if call[1] == 'send' else 'from'} {other})"
+            self.p2p_words = (call, text)
+        return text
 
     def worded(self, call: list[Any]) -> tuple[str, str]:
         """``call``'s wording and what every member must give alike in it (watching thread)."""
@@ -271,11 +348,13 @@ class _Slot:
             self.words = (call, text, agreed)
         return text, agreed
 
-    def oldest_pending(self) -> list[Any] | None:
-        """The oldest call of this group that has not completed, or None (any thread)."""
+    def oldest_pending(self, p2p: bool = False) -> list[Any] | None:
+        """The oldest collective (``p2p``: point-to-point call) of this group that has not
+        completed, or None (any thread)."""
+        calls = self.p2p_calls if p2p else self.calls
         for _ in range(3):
             try:
-                return next((c for c in tuple(self.calls) if _pending(c[4])), None)
+                return next((c for c in tuple(calls) if _pending(c[4])), None)
             except RuntimeError:  # the hot path changed the deque while it was copied
                 continue
         return None
@@ -309,6 +388,35 @@ def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -
     collective.__name__ = collective.__qualname__ = name
     collective.__doc__ = getattr(original, "__doc__", None)
     return collective
+
+
+def _wrap_p2p(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -> Callable[..., Any]:
+    direction = P2P_OPS[name]
+    clock = time.monotonic
+
+    def p2p(self: Any, *args: Any, **kwargs: Any) -> Any:
+        slot = slots.get(self)
+        if slot is None:
+            return original(self, *args, **kwargs)
+        peer = args[1] if name != "recv_anysource" and len(args) > 1 else None
+        key = f"{direction} {'any' if peer is None else peer}"
+        calls = slot.p2p_calls
+        while calls and not _pending(calls[0][4]):
+            calls.popleft()
+        slot.p2p[key] = count = slot.p2p.get(key, 0) + 1
+        slot.p2p_last = call = [count, direction, args, clock(), None, peer]
+        calls.append(call)
+        try:
+            work = original(self, *args, **kwargs)
+        except BaseException:
+            call[4] = _DONE
+            raise
+        call[4] = _DONE if work is None else work
+        return work
+
+    p2p.__name__ = p2p.__qualname__ = name
+    p2p.__doc__ = getattr(original, "__doc__", None)
+    return p2p
 
 
 def _order(group: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
@@ -345,8 +453,10 @@ class HangWatch:
         handlers: Sequence[Callable[[HangReport], Any]],
         log: bool = True,
         aborter: Callable[[], int] | None = None,
+        where: Callable[[int], str] | None = None,
     ) -> None:
         self.after = after.total_seconds()
+        self._where = where
         self.tick = min(max(self.after / 4, 0.05), 1.0)
         self.rank = rank
         self.log = log
@@ -368,6 +478,9 @@ class HangWatch:
         for name in OPS:
             if name in vars(pg):
                 self._patches.replace(pg, name, functools.partial(_wrap, name, slots=self._slots))
+        for name in P2P_OPS:
+            if name in vars(pg):
+                self._patches.replace(pg, name, functools.partial(_wrap_p2p, name, slots=self._slots))
         self._thread = threading.Thread(target=self._run, name="parallelctx-hang-report", daemon=True)
         self._thread.start()
 
@@ -403,6 +516,11 @@ class HangWatch:
                 if now - call[3] >= self.after:
                     slot.reported = call[0]
                     self._report(slot, call, now - call[3])
+            for slot in list(self._slots.values()):
+                call = slot.oldest_pending(p2p=True)
+                if call is not None and slot.p2p_reported is not call and now - call[3] >= self.after:
+                    slot.p2p_reported = call
+                    self._report_p2p(slot, call, now - call[3])
 
     def _progress(self) -> dict[str, Any]:
         """Per group: [calls entered, the last call's wording], and what every member must give
@@ -413,6 +531,8 @@ class HangWatch:
             if call is not None:
                 text, agreed = slot.worded(call)
                 out[slot.key] = [call[0], text] if agreed == text else [call[0], text, agreed]
+            if slot.p2p_last is not None:
+                out[slot.key + "/p2p"] = [dict(slot.p2p), slot.p2p_worded(slot.p2p_last)]
         return out
 
     def _peers(self, slot: _Slot) -> dict[int, tuple[int, str, str]] | None:
@@ -475,6 +595,9 @@ class HangWatch:
             progress_known=peers is not None,
             aborter=self._aborter,
         )
+        self._emit(report)
+
+    def _emit(self, report: HangReport) -> None:
         self.reports.append(report)
         if self.log:
             logger.warning("parallelctx hang report: %s", report)
@@ -483,3 +606,96 @@ class HangWatch:
                 handler(report)
             except Exception:
                 logger.exception("parallelctx: hang report handler %r failed", handler)
+
+    def _read(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s posted progress ({} before its first post); None when the store fails."""
+        try:
+            key = f"hang/{rank}"
+            return json.loads(self._store.get(key)) if self._store.check([key]) else {}
+        except Exception:
+            return None
+
+    def _peer_p2p(self, slot: _Slot, call: list[Any]) -> tuple[int, tuple[str, ...], dict[str, int]] | None:
+        """The peer's count of the calls matching ``call`` (its sends to this rank for a
+        receive, its receives from this rank for a send), its last point-to-point call and last
+        collective on the group, and all its point-to-point counts; None when the store could
+        not be read."""
+        mine = slot.order.index(self.rank) if self.rank in slot.order else self.rank
+        entry = self._read(slot.order[call[5]])
+        if entry is None:
+            return None
+        counts, last_p2p = entry.get(slot.key + "/p2p", [{}, ""])
+        other = "send" if call[1] == "recv" else "recv"
+        theirs = int(counts.get(f"{other} {mine}", 0))
+        if other == "recv":
+            theirs += int(counts.get("recv any", 0))
+        collective = entry.get(slot.key)
+        return theirs, tuple(t for t in (last_p2p, collective[1] if collective else "") if t), counts
+
+    def _skipped(
+        self, slot: _Slot, peer_local: int, counts: Mapping[str, int], send_side: bool
+    ) -> tuple[tuple[int, int, int, int], ...]:
+        """The members that sent the peer (group rank ``peer_local``, its counts ``counts``)
+        more than it received from them: (sender, peer, sent, received); this rank is left out
+        when it is the sender whose send waits (``send_side``: the report says so already)."""
+        out = []
+        peer = slot.order[peer_local]
+        for local, member in enumerate(slot.order):
+            if member == peer or (member == self.rank and send_side):
+                continue
+            entry = (
+                dict(slot.p2p)
+                if member == self.rank
+                else (self._read(member) or {}).get(slot.key + "/p2p", [{}])[0]
+            )
+            sent = int(entry.get(f"send {peer_local}", 0))
+            got = int(counts.get(f"recv {local}", 0))
+            if sent > got:
+                out.append((member, peer, sent, got))
+        return tuple(out)
+
+    def _report_p2p(self, slot: _Slot, call: list[Any], waited: float) -> None:
+        count, direction, peer_local = call[0], call[1], call[5]
+        peer = None if peer_local is None else slot.order[peer_local]
+        got = None if peer is None else self._peer_p2p(slot, call)
+        if got is not None and got[0] < count:
+            # as for a collective: the peer posts its progress a tick late at most
+            if self._stop.wait(2 * self.tick) or not _pending(call[4]):
+                return
+            got = self._peer_p2p(slot, call)
+            waited = time.monotonic() - call[3]
+        missing = peer is not None and got is not None and got[0] < count
+        skipped = (
+            self._skipped(slot, peer_local, got[2], direction == "send")
+            if missing and got is not None
+            else ()
+        )
+        where = {}
+        if self._where is not None:
+            for r in (self.rank, peer, *(s[0] for s in skipped)):
+                if r is not None:
+                    try:
+                        where[r] = self._where(r)
+                    except Exception:
+                        pass
+        self._emit(
+            HangReport(
+                mode=slot.modes[0],
+                modes=slot.modes,
+                cpu=slot.cpu,
+                op=direction,
+                call=slot.p2p_worded(call),
+                count=count,
+                rank=self.rank,
+                ranks=slot.ranks,
+                missing=(peer,) if missing and peer is not None else (),
+                waited=waited,
+                progress_known=peer is None or got is not None,
+                aborter=self._aborter,
+                peer=peer,
+                peer_count=None if got is None else got[0],
+                peer_last=() if got is None else got[1],
+                where=where,
+                skipped=skipped,
+            )
+        )

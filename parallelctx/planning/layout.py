@@ -567,6 +567,20 @@ class Layout:
             raise LayoutError(f"axis={axis!r} must be one of {', '.join(sizes)}")
         return sizes[axis]
 
+    def where(self, rank: int) -> str:
+        """Return ``rank``'s place as a person reads it: its pipeline stage and its tensor,
+        context, data and expert ranks, for the axes larger than 1 (``"pipeline stage 1, tensor
+        rank 0, data rank 3"``; ``""`` for a world of one axis).
+
+        Raises:
+            LayoutError: ``rank`` outside ``[0, world_size)``.
+        """
+        c = self.coords(rank)
+        axes = (("pp", self.pipeline, "pipeline stage"), ("tp", self.tensor, "tensor rank"),
+                ("cp", self.context, "context rank"), ("dp", self.data, "data rank"),
+                ("ep", self.expert, "expert rank"))  # fmt: skip
+        return ", ".join(f"{words} {c[key]}" for key, size, words in axes if size > 1)
+
     def coords(self, rank: int) -> dict[str, int]:
         """Return the coordinates of ``rank``.
 

@@ -522,7 +522,8 @@ def arm(guard: Guard, launched: Launched) -> None:
     (``dist.hang_report``) and the world has more than one rank and a store; returns None."""
     hang = launched.config.dist.hang_report if launched.config is not None else None
     if hang is not None and launched.world_size > 1 and launched.store is not None:
-        guard.watch(hang.after, hang.log, launched.rank, launched.store, launched.groups)
+        where = launched.layout.where if launched.layout is not None else None
+        guard.watch(hang.after, hang.log, launched.rank, launched.store, launched.groups, where)
 
 
 def _undo(launched: Launched, maker: GroupMaker | None, guard: Guard) -> None:
