@@ -7,9 +7,11 @@ loop) carry the faults marker."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -400,3 +402,58 @@ def test_a_receive_that_waits_names_the_skipped_receive_one_stage_up() -> None:
         "rank 6; its last calls on this group: send(float32[4, 8] to rank 6)); rank 2 (pipeline stage 1) sent 3 "
         "times to rank 4, which received 2: rank 4 skipped a receive from rank 2"
     )
+
+
+class _StalledStore:
+    """A launch store whose server hangs: every request blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def _stall(self) -> None:
+        self.release.wait(60)
+
+    def set(self, key: str, value: Any) -> None:
+        self._stall()
+
+    def get(self, key: str) -> bytes:
+        self._stall()
+        return b"{}"
+
+    def check(self, keys: list[str]) -> bool:
+        self._stall()
+        return False
+
+
+def test_a_stalled_store_does_not_silence_the_report_and_is_named(tmp_path: Path, caplog: Any) -> None:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "s"), 1))
+    store = _StalledStore()
+    try:
+        reports: list[HangReport] = []
+        watch = HangWatch(
+            timedelta(seconds=0.4),
+            0,
+            store,
+            [(dist.group.WORLD, (ParallelMode.DATA,), False, (0, 1))],
+            [reports.append],
+        )
+        watch.start()
+        try:
+            slot = watch._slots[dist.group.WORLD]
+            slot.count = 1
+            slot.call = [1, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
+            slot.calls.append(slot.call)
+            begin = time.monotonic()
+            with caplog.at_level("WARNING", logger="parallelctx"):
+                while not reports and time.monotonic() - begin < 10:
+                    time.sleep(0.05)
+        finally:
+            store.release.set()
+            watch.stop()
+        (report,) = reports
+        assert time.monotonic() - begin < 0.4 + 5, "the report waited for the stalled store"
+        assert not report.progress_known and report.store_stalled and report.missing == ()
+        assert "could not be read from the launch's store (it did not answer in time" in str(report)
+        assert "the launch's store did not answer within 1 s" in caplog.text
+    finally:
+        dist.destroy_process_group()

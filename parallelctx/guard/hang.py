@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -115,6 +116,8 @@ class HangReport:
         peer_last: the peer's last point-to-point call and last collective on this group.
         where: global rank -> its place (``"pipeline stage 1, tensor rank 0"``) for this rank,
             the peer and the ranks of ``skipped``.
+        store_stalled: True when the progress could not be read because the launch's store did
+            not answer within its bound (``max(1 s, after / 2)``).
         skipped: when the peer never made the matching call, the sends to the peer it did not
             receive: ``(sender, peer, sent, received)`` for each other member of the group that
             sent the peer more than the peer received from it (for a receive that waits: the
@@ -141,6 +144,7 @@ class HangReport:
     peer_last: tuple[str, ...] = ()
     where: dict[int, str] = field(default_factory=dict)
     skipped: tuple[tuple[int, int, int, int], ...] = ()
+    store_stalled: bool = False
 
     def abort(self) -> int:
         """Call ``gpc.abort()`` if the launch that made this report is still the current one
@@ -157,7 +161,7 @@ class HangReport:
             return self._p2p_text(group)
         head = f"rank {self.rank} has waited {self.waited:.1f} s in {self.call}, call {self.count} on {group}"
         if not self.progress_known:
-            return f"{head}; the other ranks' progress could not be read from the launch's store"
+            return f"{head}; the other ranks' progress could not be read from the launch's store{self._stall}"
         parts = []
         if self.missing:
             parts.append(
@@ -167,6 +171,14 @@ class HangReport:
             parts.append(f"rank {r} entered a different call: {other} (mismatch)")
         return f"{head}: " + (
             "; ".join(parts) if parts else "every rank entered it (it is slow, not missing)"
+        )
+
+    @property
+    def _stall(self) -> str:
+        return (
+            " (it did not answer in time: its server, on rank 0 or the torchrun agent, may be hung)"
+            if self.store_stalled
+            else ""
         )
 
     def _at(self, rank: int | None) -> str:
@@ -182,7 +194,9 @@ class HangReport:
         if self.peer is None:
             return f"{head}: no rank of the group has sent to it"
         if not self.progress_known or self.peer_count is None:
-            return f"{head}; rank {self.peer}'s progress could not be read from the launch's store"
+            return (
+                f"{head}; rank {self.peer}'s progress could not be read from the launch's store{self._stall}"
+            )
         theirs = (
             f"it {'received' if send else 'sent'} {self.peer_count} time{'s' if self.peer_count != 1 else ''} "
             f"{'from' if send else 'to'} rank {self.rank}; its last calls on this group: "
@@ -439,6 +453,74 @@ def _pending(work: Any) -> bool:
         return False
 
 
+class StoreStalled(TimeoutError):
+    """The launch's store did not answer the hang report within its bound."""
+
+
+class _BoundedStore:
+    """The watch's store requests, made in a helper thread and awaited at most ``wait`` seconds
+    each, so that a stalled store (its server hung, or a network partition) never stops the
+    watch: a request that does not finish in time raises :class:`StoreStalled`, and the next
+    ones wait behind it (they stall as well until the store answers again)."""
+
+    def __init__(self, store: Any, wait: float) -> None:
+        self.store, self.wait = store, wait
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None] = (
+            queue.SimpleQueue()
+        )
+        self.pending = 0  # requests queued or running (the helper thread ends one at a time)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, name="parallelctx-hang-store", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, box, done = job
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the waiting thread
+                box["error"] = exc
+            with self._lock:
+                self.pending -= 1
+            done.set()
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (store requests) in the helper thread; return what it returns.
+
+        Raises:
+            StoreStalled: it did not finish within ``wait`` seconds.
+            Exception: what ``fn`` raised.
+        """
+        with self._lock:
+            if self.pending:  # a request that stalled is still running: do not queue behind it
+                raise StoreStalled(f"the launch's store did not answer within {self.wait:g} s")
+            self.pending += 1
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        self._jobs.put((fn, box, done))
+        if not done.wait(self.wait):
+            raise StoreStalled(f"the launch's store did not answer within {self.wait:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def set(self, key: str, value: str) -> None:
+        """Post ``value`` under ``key``; raises as :meth:`call`."""
+        self.call(lambda: self.store.set(key, value))
+
+    def read(self, keys: Sequence[str]) -> dict[str, bytes]:
+        """The values of those of ``keys`` the store holds, in one bounded wait; raises as
+        :meth:`call`."""
+        return self.call(lambda: {k: self.store.get(k) for k in keys if self.store.check([k])})
+
+    def close(self) -> None:
+        """Let the helper thread end once its current request returns; returns None."""
+        self._jobs.put(None)
+
+
 class HangWatch:
     """The hang report of one launch: counts calls on the given groups and reports a call that
     waited longer than ``after`` (see the module docstring). :meth:`start` and :meth:`stop`;
@@ -460,7 +542,8 @@ class HangWatch:
         self.tick = min(max(self.after / 4, 0.05), 1.0)
         self.rank = rank
         self.log = log
-        self._store = store
+        self._store = _BoundedStore(store, max(1.0, 2 * self.tick))
+        self._stalled = False  # the store did not answer the last post (logged once a stall)
         self._handlers = handlers
         self._aborter = aborter
         self._slots: dict[Any, _Slot] = {}
@@ -492,6 +575,7 @@ class HangWatch:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        self._store.close()
         if thread is None or not thread.is_alive():
             # the groups and the abort closure go now, not at the next garbage collection
             self._slots.clear()
@@ -506,6 +590,17 @@ class HangWatch:
                 if progress != posted:
                     self._store.set(f"hang/{self.rank}", json.dumps(progress))
                     posted = progress
+                self._stalled = False
+            except StoreStalled as exc:  # reports still name the call, and say the store stalled
+                posted = None
+                if not self._stalled and self.log:
+                    logger.warning(
+                        "parallelctx hang report: rank %d: %s; the other ranks' progress cannot be "
+                        "read until it does (its server, on rank 0 or the torchrun agent, may be hung)",
+                        self.rank,
+                        exc,
+                    )
+                self._stalled = True
             except Exception:  # the store is gone: reports still name the call
                 posted = None
             now = time.monotonic()
@@ -540,15 +635,19 @@ class HangWatch:
         group, from the store; None when the store could not be read."""
         out: dict[int, tuple[int, str, str]] = {}
         try:
+            posted = self._store.read([f"hang/{r}" for r in slot.ranks if r != self.rank])
             for r in slot.ranks:
                 if r == self.rank:
                     continue
                 key = f"hang/{r}"
-                entry = json.loads(self._store.get(key)).get(slot.key) if self._store.check([key]) else None
+                entry = json.loads(posted[key]).get(slot.key) if key in posted else None
                 if entry:
                     out[r] = (int(entry[0]), str(entry[1]), str(entry[2] if len(entry) > 2 else entry[1]))
                 else:
                     out[r] = (0, "", "")
+        except StoreStalled:
+            self._stalled = True
+            return None
         except Exception:
             return None
         return out
@@ -593,6 +692,7 @@ class HangWatch:
             mismatched=mismatched,
             waited=waited,
             progress_known=peers is not None,
+            store_stalled=peers is None and self._stalled,
             aborter=self._aborter,
         )
         self._emit(report)
@@ -609,9 +709,13 @@ class HangWatch:
 
     def _read(self, rank: int) -> dict[str, Any] | None:
         """``rank``'s posted progress ({} before its first post); None when the store fails."""
+        key = f"hang/{rank}"
         try:
-            key = f"hang/{rank}"
-            return json.loads(self._store.get(key)) if self._store.check([key]) else {}
+            posted = self._store.read([key])
+            return json.loads(posted[key]) if key in posted else {}
+        except StoreStalled:
+            self._stalled = True
+            return None
         except Exception:
             return None
 
@@ -691,6 +795,7 @@ class HangWatch:
                 missing=(peer,) if missing and peer is not None else (),
                 waited=waited,
                 progress_known=peer is None or got is not None,
+                store_stalled=peer is not None and got is None and self._stalled,
                 aborter=self._aborter,
                 peer=peer,
                 peer_count=None if got is None else got[0],
