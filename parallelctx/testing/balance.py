@@ -41,7 +41,6 @@ __all__ = [
     "close_window",
     "describe_group",
     "install",
-    "installed",
     "open_window",
     "unbalanced",
 ]
@@ -212,11 +211,6 @@ def install() -> None:
         _PATCHES.replace(pg, "recv", functools.partial(_wrap_recv, any_source=False))
     if "recv_anysource" in vars(pg):
         _PATCHES.replace(pg, "recv_anysource", functools.partial(_wrap_recv, any_source=True))
-
-
-def installed() -> bool:
-    """Return True when :func:`install` has wrapped the methods in this process."""
-    return bool(_PATCHES)
 
 
 def open_window() -> None:
