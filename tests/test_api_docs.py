@@ -65,6 +65,7 @@ MODULES = [
     "runtime.simulate",
     "testing",
     "testing.asserts",
+    "testing.balance",
     "testing.pool",
     "testing.plugin",
     "testing.report",

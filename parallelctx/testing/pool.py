@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..env import is_launcher_variable
+from .balance import unbalanced
 
 __all__ = ["Pool", "PoolError", "RunOutcome", "pick_devices"]
 
@@ -61,7 +62,10 @@ class RunOutcome:
     stacks, ``stdout``/``stderr`` what each rank wrote outside pytest's capture during the test.
     ``timed_out`` is True when the test's own timeout passed, False when the others were given
     up on after a rank failed, skipped or died. ``broken`` lists ranks whose long-lived process
-    is gone or did not answer: the pool must be replaced.
+    is gone or did not answer: the pool must be replaced. ``unbalanced`` holds one sentence per
+    process group the test left unbalanced although every rank passed (a call some members
+    made that the others did not match: :func:`parallelctx.testing.balance.unbalanced`); the
+    session processes were then ended, their groups aborted first.
     """
 
     world_size: int
@@ -75,6 +79,7 @@ class RunOutcome:
     stderr: dict[int, str] = field(default_factory=dict)
     timed_out: bool = False
     elapsed: float = 0.0
+    unbalanced: list[str] = field(default_factory=list)
 
     @property
     def reusable(self) -> bool:
@@ -356,7 +361,9 @@ class Pool:
         the others get :data:`FAILURE_GRACE_S` more. Ranks still running then are hung: their
         stacks are dumped and collected, and their session processes killed. When every rank
         answered (passed, failed or skipped), the session processes stay for the next test,
-        with their fixtures (after a failure or a skip the next test launches ``gpc`` anew);
+        with their fixtures (after a failure or a skip the next test launches ``gpc`` anew),
+        unless every rank passed but the ranks' calls on some process group do not match
+        (:attr:`RunOutcome.unbalanced`): they then end, their groups aborted first;
         when a rank hung or its session process died they all end (the others tear their
         fixtures down) and the next test gets new ones, forked from the zygotes: the pool stays
         usable unless a zygote is gone
@@ -435,8 +442,14 @@ class Pool:
         outcome.hung = sorted(pending())
         if outcome.hung:
             outcome.stacks = self._dump_stacks({r: self.session_pids.get(r) for r in outcome.hung})
+        if len(outcome.results) == self.world_size and all(
+            res["outcome"] == "passed" for res in outcome.results.values()
+        ):
+            outcome.unbalanced = unbalanced({r: res.get("calls") for r, res in outcome.results.items()})
         if outcome.hung or outcome.dead or exited or len(outcome.results) < self.world_size:
             self.end_session(exited, broken, kill=set(outcome.hung))
+        elif outcome.unbalanced:  # a call left pending would pair with the next test's: new processes
+            self.end_session(exited, broken, abort=True)
         # after a failure or a skip somewhere, or a test that destroyed, relaunched or changed
         # gpc on some rank, every rank launches gpc anew for the next test
         self.relaunch = any(
@@ -451,21 +464,27 @@ class Pool:
         return outcome
 
     def end_session(
-        self, exited: set[int] | None = None, broken: set[int] | None = None, kill: set[int] | None = None
+        self,
+        exited: set[int] | None = None,
+        broken: set[int] | None = None,
+        kill: set[int] | None = None,
+        abort: bool = False,
     ) -> None:
         """End every rank's session process: SIGKILL for the ranks in ``kill``, ``("end",)`` for
-        the others (their fixtures are torn down and their coverage saved), and wait for each
+        the others (their fixtures are torn down and their coverage saved; with ``abort``, after
+        ``gpc.abort()``, so that a call left pending does not hold the teardown up), and wait for each
         zygote to say it ended; ranks in ``exited`` have ended already. A rank whose session does
         not end within :data:`END_WAIT_S` is killed; a rank whose zygote does not answer is added
         to ``broken``. Returns None."""
         exited = set() if exited is None else exited
         broken = set() if broken is None else broken
+        message: tuple[Any, ...] = ("end", {"abort": True}) if abort else ("end",)
         for rank in sorted(set(self.session_pids) - exited - broken):
             if kill and rank in kill:
                 _kill_pid(self.session_pids[rank])
                 continue
             try:
-                self._conns[rank].send(("end",))
+                self._conns[rank].send(message)
             except OSError:
                 broken.add(rank)
         waiting = set(self.session_pids) - exited - broken

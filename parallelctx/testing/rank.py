@@ -29,6 +29,8 @@ from typing import Any
 import pytest
 import torch
 
+from . import balance
+
 __all__ = [
     "PEER_LOSS_PATTERNS",
     "RANK_PLUGIN_NAME",
@@ -124,6 +126,8 @@ class RankPlugin:
         #: What that launch made: ``gpc``'s layout object and its config as a dict, to tell
         #: whether a test relaunched, destroyed or changed ``gpc`` (then it is not kept).
         self.made: tuple[Any, dict[str, Any], tuple[Any, ...]] | None = None
+        #: The test's calls per process group (:func:`parallelctx.testing.balance.close_window`).
+        self.calls: list[dict[str, Any]] | None = None
 
     def begin(self, spec: dict[str, Any], port: int) -> None:
         """Set the test this process runs next, and rank 0's store port."""
@@ -131,6 +135,7 @@ class RankPlugin:
         self.port = port
         self.phases = []
         self.sections = []
+        self.calls = None
 
     @pytest.fixture
     def tmp_path(self) -> Path:
@@ -148,7 +153,8 @@ class RankPlugin:
         on this process launched the same config and ``gpc`` is still up, it is kept (its
         groups may live in a session fixture) and only seeded anew, so every test starts from
         the seeds of a fresh launch; any other ``gpc`` (the previous test's, one a conftest
-        launched) is destroyed first."""
+        launched) is destroyed first. Then the test's calls on process groups start being
+        counted (:mod:`parallelctx.testing.balance`; not for a dry run)."""
         from ..context import ParallelMode, gpc
         from ..launch import launch
 
@@ -158,6 +164,7 @@ class RankPlugin:
         if gpc.is_initialized(ParallelMode.GLOBAL):
             if not simulate and self.launched == key and not self.spec.get("relaunch"):
                 gpc.set_seed()
+                balance.open_window()
                 return
             gpc.destroy()
         self.launched = None
@@ -185,6 +192,7 @@ class RankPlugin:
                 os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
         self.launched = key
         self.made = (gpc.layout, copy.deepcopy(gpc.config.to_dict()), gpc.destroy_hooks)
+        balance.open_window()  # the test's calls count from here: the launch's own do not
 
     def keepable(self) -> bool:
         """Whether ``gpc`` is still what this plugin launched for the test, unchanged: the
@@ -237,7 +245,8 @@ class RankPlugin:
             A dict: ``rank``, ``outcome`` (passed, failed, skipped, xfailed), ``phase`` (setup,
             call, teardown), ``message``, ``longrepr``, ``exc_type``, ``time`` (``time.time()``
             when the deciding phase ended), ``peer_loss`` and ``sections`` (pytest's captured
-            output, ``[(title, text)]``).
+            output, ``[(title, text)]``), ``keep`` (:meth:`keepable`) and ``calls`` (the
+            test's calls per process group, None when they were not counted).
         """
         out: dict[str, Any] = {
             "rank": self.rank,
@@ -250,6 +259,7 @@ class RankPlugin:
             "peer_loss": False,
             "sections": self.sections,
             "keep": self.keepable(),
+            "calls": self.calls,
         }
         decided = next((p for p in self.phases if p["outcome"] != "passed"), None)
         failure = next((p for p in self.phases if p["outcome"] == "failed"), None)
@@ -481,8 +491,19 @@ def _run_one(
     try:
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
     finally:
+        plugin.calls = balance.close_window()  # opened once gpc was launched for the test
         state.restore()
     return plugin.result()
+
+
+def _abort_gpc() -> None:
+    """Abort ``gpc``'s groups (:meth:`~parallelctx.context.ParallelContext.abort`), so that a
+    call the last test left pending ends at once here and on the peers instead of holding up
+    the teardown until its timeout."""
+    from ..context import ParallelMode, gpc
+
+    if gpc.is_initialized(ParallelMode.GLOBAL):
+        gpc.abort()
 
 
 def _forget_gpc() -> None:
@@ -532,9 +553,11 @@ def run_session(
     """The rank's session process: start coverage and a pytest session like the controller's,
     collect, say ``ready`` (with the collected node ids and parameters, for the controller to
     compare across ranks), then run each ``("run", spec)`` until ``("end",)`` or the controller
-    going away. After a test that did not pass here, ``gpc`` is destroyed at once (its
-    connections close, so peers waiting for this rank in a collective end too). Returns None;
-    the caller exits the process."""
+    going away (``("end", {"abort": True})``, after a test that left a group unbalanced: abort
+    ``gpc``'s groups first). After a test that did not pass here, ``gpc`` is destroyed at once
+    (its connections close, so peers waiting for this rank in a collective end too). Every
+    test's calls on process groups are counted (:mod:`parallelctx.testing.balance`). Returns
+    None; the caller exits the process."""
     cov = _start_coverage(setup.get("coverage"))
     plugin = RankPlugin(rank, world_size)
     session = None
@@ -544,6 +567,7 @@ def run_session(
         for entry in reversed(setup["sys_path"]):
             if entry not in sys.path:
                 sys.path.insert(0, entry)
+        balance.install()
         session = start_session(setup["args"], setup["dir"], setup["basetemp"], plugin)
         items = collect(session, setup["files"], plugin)
         _forget_gpc()
@@ -573,8 +597,10 @@ def run_session(
             message = conn.recv()
         except (EOFError, OSError):
             break
-        if message[0] != "run":
-            break  # "end"
+        if message[0] != "run":  # "end"
+            if len(message) > 1 and isinstance(message[1], dict) and message[1].get("abort"):
+                _abort_gpc()
+            break
         spec = message[1]
         try:
             result = _run_one(session, items, plugin, spec, int(spec["port"]))

@@ -13,7 +13,7 @@ from _pytest.outcomes import Failed
 
 from .pool import FAILURE_GRACE_S, RunOutcome
 
-__all__ = ["RankFailure", "build_report", "format_ranks", "raise_for", "root_cause"]
+__all__ = ["RankFailure", "build_report", "format_ranks", "raise_for", "root_cause", "unbalanced_report"]
 
 
 class RankFailure(Failed):
@@ -146,15 +146,15 @@ def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str
     first), and the stacks of ranks that did not finish.
 
     Returns:
-        The report (empty when the test did not fail: every rank passed, or the root cause is
-        a skip or an xfail).
+        The report (empty when the test did not fail: every rank passed and left every process
+        group balanced, or the root cause is a skip or an xfail).
     """
     world = outcome.world_size
     cause = root_cause(outcome)
     if cause is not None and cause[0] in ("skipped", "xfailed"):
         return ""
     if cause is None and not outcome.hung:
-        return ""
+        return unbalanced_report(outcome, layout)
     failed = {r: res for r, res in outcome.results.items() if res["outcome"] == "failed"}
     passed = [r for r, res in outcome.results.items() if res["outcome"] == "passed"]
     where = f" (layout {layout})" if layout else ""
@@ -211,6 +211,29 @@ def build_report(outcome: RunOutcome, timeout: float, layout: str | None) -> str
     return "\n".join(body)
 
 
+def unbalanced_report(outcome: RunOutcome, layout: str | None) -> str:
+    """The failure text of a test that passed on every rank but left calls on a process group
+    that its other members did not match (:attr:`RunOutcome.unbalanced`).
+
+    Returns:
+        The report: each unbalanced group with its ranks and their counts, and the fix; empty
+        when no group was left unbalanced.
+    """
+    if not outcome.unbalanced:
+        return ""
+    where = f" (layout {layout})" if layout else ""
+    lines = [
+        f"every rank passed, but the test left calls unmatched on "
+        f"{'a process group' if len(outcome.unbalanced) == 1 else 'process groups'}{where}: the next "
+        "test's calls there would pair with them (a wrong result or a hang in a correct test)",
+        *(f"  {problem}" for problem in outcome.unbalanced),
+        "Have every member of a group make the same collectives, wait for each async_op=True "
+        "call (work.wait()) and receive every tensor sent, before the test ends.",
+        "(every rank's session process was ended, its gpc aborted: the next test runs on fresh ones)",
+    ]
+    return "\n".join(lines)
+
+
 def _partial(outcome: RunOutcome, kind: str, rank: int) -> str:
     """The reason of a skip or an xfail: the message alone when every rank gave the same one,
     else which rank did it first and what the others did."""
@@ -237,8 +260,8 @@ def raise_for(outcome: RunOutcome, timeout: float, layout: str | None = None) ->
         None when every rank passed.
 
     Raises:
-        RankFailure: the earliest event is a failure or a death, or ranks hung (see
-            :func:`build_report`).
+        RankFailure: the earliest event is a failure or a death, ranks hung, or every rank
+            passed but left a process group unbalanced (see :func:`build_report`).
         pytest.skip.Exception: the earliest event is a ``pytest.skip()`` (on one rank or all;
             the reason names the rank when not all skipped alike).
         pytest.xfail.Exception: the earliest event is a ``pytest.xfail()``.

@@ -18,7 +18,9 @@ stacks of every thread to STACK_FILE (faulthandler, inherited by the child).
 
 Messages on the control connection (the session child writes on the zygote's connection while
 the zygote waits): controller -> zygote ``("fork",)``, ``("exit",)``; session child ->
-controller ``("ready", info)``; controller -> session child ``("run", spec)``, ``("end",)``;
+controller ``("ready", info)``; controller -> session child ``("run", spec)``, ``("end",)``
+(``("end", {"abort": True})`` after a test that left a process group unbalanced: ``gpc`` is
+aborted before the teardown);
 session child -> controller ``("result", dict)``; zygote -> controller ``("exited", how, time)``.
 """
 
