@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torchrun_helpers import run_torchrun
+from torchrun_helpers import run_torchrun, run_torchrun_env
 
 from parallelctx import ParallelMode, gpc, load_config
 from parallelctx.guard.hang import _agreed_call
@@ -220,8 +220,12 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
         dist.destroy_process_group()
 
 
-def torchrun_rows(tmp_path: Path, scenario: str, nproc: int = 8) -> list[dict]:
-    proc = run_torchrun(nproc, ["tests/torchrun_hang.py", str(tmp_path), scenario], timeout=280)
+def torchrun_rows(
+    tmp_path: Path, scenario: str, nproc: int = 8, env: dict[str, str] | None = None
+) -> list[dict]:
+    proc = run_torchrun_env(
+        nproc, ["tests/torchrun_hang.py", str(tmp_path), scenario], env or {}, timeout=280
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == list(range(nproc)), proc.stdout[-3000:]
@@ -457,3 +461,19 @@ def test_a_stalled_store_does_not_silence_the_report_and_is_named(tmp_path: Path
         assert "the launch's store did not answer within 1 s" in caplog.text
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
+def test_with_the_flight_recorder_on_the_report_uses_its_sequence_numbers(tmp_path: Path) -> None:
+    rows = torchrun_rows(tmp_path, "skip", env={"TORCH_FR_BUFFER_SIZE": "2000"})  # rank 3 skips
+    for row in rows:
+        if row["rank"] in (1, 5, 7):
+            (report,) = row["reports"]
+            assert report["missing"] == [3], report
+            recorded = report["flight_recorder"]
+            assert sorted(recorded) == ["1", "3", "5", "7"], report  # the data group {1, 3, 5, 7}
+            assert all(recorded[r][0] > recorded["3"][0] for r in ("1", "5", "7")), recorded
+            assert "by torch's flight recorder, TORCH_FR_BUFFER_SIZE" in report["text"], report["text"]
+        else:
+            assert row["reports"] == [], row

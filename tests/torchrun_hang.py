@@ -74,6 +74,8 @@ def main() -> int:
         row["mode"] = report.mode.value
         row["modes"] = [m.value for m in report.modes]
         row["mismatched"] = {str(k): v for k, v in report.mismatched.items()}
+        row["flight_recorder"] = {str(k): list(v) for k, v in report.flight_recorder.items()}
+        row["where"] = {str(k): v for k, v in report.where.items()}
         row["after_entry_s"] = time.perf_counter() - entered.get("t", time.perf_counter())
         row["text"] = str(report)
         record["reports"].append(row)

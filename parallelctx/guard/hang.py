@@ -39,6 +39,8 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import pickle
 import queue
 import threading
 import time
@@ -116,6 +118,10 @@ class HangReport:
         peer_last: the peer's last point-to-point call and last collective on this group.
         where: global rank -> its place (``"pipeline stage 1, tensor rank 0"``) for this rank,
             the peer and the ranks of ``skipped``.
+        flight_recorder: when torch's flight recorder is on (``TORCH_FR_BUFFER_SIZE``) and every
+            member posted its numbers: global rank -> (last collective enqueued, last completed)
+            on this group; ``missing`` then holds the members that enqueued fewer collectives
+            than this rank.
         store_stalled: True when the progress could not be read because the launch's store did
             not answer within its bound (``max(1 s, after / 2)``).
         skipped: when the peer never made the matching call, the sends to the peer it did not
@@ -145,6 +151,7 @@ class HangReport:
     where: dict[int, str] = field(default_factory=dict)
     skipped: tuple[tuple[int, int, int, int], ...] = ()
     store_stalled: bool = False
+    flight_recorder: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def abort(self) -> int:
         """Call ``gpc.abort()`` if the launch that made this report is still the current one
@@ -169,9 +176,16 @@ class HangReport:
             )
         for r, other in sorted(self.mismatched.items()):
             parts.append(f"rank {r} entered a different call: {other} (mismatch)")
-        return f"{head}: " + (
+        text = f"{head}: " + (
             "; ".join(parts) if parts else "every rank entered it (it is slow, not missing)"
         )
+        if self.flight_recorder:
+            numbers = ", ".join(f"rank {r} {e}/{c}" for r, (e, c) in sorted(self.flight_recorder.items()))
+            text += (
+                f" (by torch's flight recorder, TORCH_FR_BUFFER_SIZE: collectives enqueued/completed "
+                f"on this group: {numbers})"
+            )
+        return text
 
     @property
     def _stall(self) -> str:
@@ -453,6 +467,38 @@ def _pending(work: Any) -> bool:
         return False
 
 
+def flight_recorder(names: dict[str, str]) -> dict[str, tuple[int, int]] | None:
+    """Torch's flight recorder's sequence numbers per process group name (``group_name``):
+    (last collective enqueued, last completed). The recorder keys its numbers by its own id of
+    a group; ``names`` (id -> group name) caches what its entries said, and is filled from them
+    when an id is new.
+
+    Returns:
+        The numbers of the groups whose name is known, or None when the recorder is off
+        (``TORCH_FR_BUFFER_SIZE`` unset or 0) or could not be read. Never raises.
+    """
+    try:
+        if int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) <= 0:
+            return None
+        dump_trace = getattr(torch._C._distributed_c10d, "_dump_fr_trace")  # noqa: B009 - private, torch 2.13
+        status = pickle.loads(dump_trace(includeCollectives=False, includeStackTraces=False)).get(
+            "pg_status", {}
+        )
+        if any(str(pg) not in names for pg in status):
+            for entry in pickle.loads(dump_trace(includeStackTraces=False)).get("entries", []):
+                names.setdefault(str(entry["pg_id"]), str(entry["process_group"][0]))
+        return {
+            names[str(pg)]: (
+                int(v.get("last_enqueued_collective", -1)),
+                int(v.get("last_completed_collective", -1)),
+            )
+            for pg, v in status.items()
+            if str(pg) in names
+        }
+    except Exception:
+        return None
+
+
 class StoreStalled(TimeoutError):
     """The launch's store did not answer the hang report within its bound."""
 
@@ -544,6 +590,7 @@ class HangWatch:
         self.log = log
         self._store = _BoundedStore(store, max(1.0, 2 * self.tick))
         self._stalled = False  # the store did not answer the last post (logged once a stall)
+        self._fr_names: dict[str, str] = {}  # the flight recorder's id of a group -> its name
         self._handlers = handlers
         self._aborter = aborter
         self._slots: dict[Any, _Slot] = {}
@@ -621,7 +668,12 @@ class HangWatch:
         """Per group: [calls entered, the last call's wording], and what every member must give
         alike in it where that differs from the wording (see :func:`_agreed_call`)."""
         out: dict[str, Any] = {}
+        recorded = flight_recorder(self._fr_names)
+        if recorded is not None:
+            out["fr"] = True  # the recorder is on here (a group it has no entry for made no collective)
         for slot in self._slots.values():
+            if recorded is not None and slot.key in recorded:
+                out[slot.key + "/fr"] = list(recorded[slot.key])
             call = slot.call
             if call is not None:
                 text, agreed = slot.worded(call)
@@ -630,9 +682,12 @@ class HangWatch:
                 out[slot.key + "/p2p"] = [dict(slot.p2p), slot.p2p_worded(slot.p2p_last)]
         return out
 
-    def _peers(self, slot: _Slot) -> dict[int, tuple[int, str, str]] | None:
+    def _peers(
+        self, slot: _Slot, recorded: dict[int, tuple[int, int]] | None = None
+    ) -> dict[int, tuple[int, str, str]] | None:
         """Each other member's (calls entered, last call, what must agree in it) on ``slot``'s
-        group, from the store; None when the store could not be read."""
+        group, from the store (and into ``recorded`` its flight recorder's numbers on the group,
+        where it posted them); None when the store could not be read."""
         out: dict[int, tuple[int, str, str]] = {}
         try:
             posted = self._store.read([f"hang/{r}" for r in slot.ranks if r != self.rank])
@@ -640,7 +695,11 @@ class HangWatch:
                 if r == self.rank:
                     continue
                 key = f"hang/{r}"
-                entry = json.loads(posted[key]).get(slot.key) if key in posted else None
+                progress = json.loads(posted[key]) if key in posted else {}
+                entry = progress.get(slot.key)
+                if recorded is not None and progress.get("fr"):
+                    enqueued, completed = progress.get(slot.key + "/fr", (0, 0))
+                    recorded[r] = (int(enqueued), int(completed))
                 if entry:
                     out[r] = (int(entry[0]), str(entry[1]), str(entry[2] if len(entry) > 2 else entry[1]))
                 else:
@@ -651,6 +710,17 @@ class HangWatch:
         except Exception:
             return None
         return out
+
+    def _recorded(self, slot: _Slot, peers: Any) -> dict[int, tuple[int, int]]:
+        """Every member's flight-recorder numbers on ``slot``'s group (this rank's read now),
+        or {} unless the recorder is on and every member posted them."""
+        own = flight_recorder(self._fr_names)
+        if own is None or peers is None or slot.key not in own:
+            return {}  # off, or it has no entry of this group: the counts speak
+        recorded: dict[int, tuple[int, int]] = {self.rank: own[slot.key]}
+        if self._peers(slot, recorded) is None or len(recorded) < len(slot.ranks):
+            return {}
+        return recorded
 
     def _report(self, slot: _Slot, call: list[Any], waited: float) -> None:
         count, op = call[0], call[1]
@@ -679,6 +749,10 @@ class HangWatch:
                 mismatched[r] = last
             # More calls: it entered this one and went on (async_op=True, or a broadcast's
             # root); its call number `count` is not posted, so it is not called a mismatch.
+        recorded = self._recorded(slot, peers)
+        if recorded:  # torch's own sequence numbers: a member that enqueued fewer is missing
+            mine = recorded[self.rank][0]
+            missing = [r for r in slot.ranks if r != self.rank and recorded[r][0] < mine]
         report = HangReport(
             mode=slot.modes[0],
             modes=slot.modes,
@@ -693,6 +767,7 @@ class HangWatch:
             waited=waited,
             progress_known=peers is not None,
             store_stalled=peers is None and self._stalled,
+            flight_recorder=recorded,
             aborter=self._aborter,
         )
         self._emit(report)
