@@ -239,3 +239,48 @@ def test_a_256_rank_sweep_names_each_planted_bug_and_passes_without_it(
     assert good.returncode == 0 and "all checks passed" in good.stdout, (
         good.stdout[-3000:] + good.stderr[-3000:]
     )
+
+
+# ---------------------------------------------------------------- asynchronous point-to-point
+def p2p(kind: str, peer: int | None, asynchronous: bool = False) -> dict:
+    entry = {"kind": kind, "on": "world", "peer": peer, "tag": 0, "agree": "float32[4]"}
+    entry["shown"] = f"{kind}(float32[4])"
+    if asynchronous:
+        entry["async"] = True
+    return entry
+
+
+def two_ranks(calls: dict[int, list[dict]]) -> dict[int, dict]:
+    return {rank: report(rank, 2, own, {"world": None}) for rank, own in calls.items()}
+
+
+def test_an_isend_then_a_blocking_recv_on_both_ranks_is_no_cycle() -> None:
+    # req = dist.isend(out, peer); dist.recv(inp, peer); req.wait(): the isend is posted first.
+    reports = two_ranks(
+        {0: [p2p("isend", 1, True), p2p("recv", 1)], 1: [p2p("isend", 0, True), p2p("recv", 0)]}
+    )
+    assert check_calls(reports) == []
+
+
+def test_an_irecv_posted_before_a_blocking_send_takes_it() -> None:
+    reports = two_ranks(
+        {0: [p2p("irecv", 1, True), p2p("send", 1)], 1: [p2p("irecv", 0, True), p2p("send", 0)]}
+    )
+    assert check_calls(reports) == []
+    # one side blocking-sends first and the other posted its irecv: still fine
+    reports = two_ranks({0: [p2p("send", 1), p2p("recv", 1)], 1: [p2p("irecv", 0, True), p2p("send", 0)]})
+    assert check_calls(reports) == []
+
+
+def test_both_ranks_blocking_send_first_is_still_a_cycle() -> None:
+    # gloo's send waits for its receive, even for 4 floats: a real hang.
+    reports = two_ranks({0: [p2p("send", 1), p2p("recv", 1)], 1: [p2p("send", 0), p2p("recv", 0)]})
+    found = check_wait_cycles(reports)
+    assert len(found) == 1 and found[0].startswith("wait cycle of ranks [0, 1]"), found
+
+
+def test_a_member_without_any_call_on_a_group_is_named_not_a_crash() -> None:
+    # ranks 0 and 1 all_reduce on the world, rank 2 makes no call at all (its only one skipped)
+    reports = {rank: report(rank, 3, [ar("world")] if rank < 2 else [], {"world": None}) for rank in range(3)}
+    found = check_group_sequences(reports)
+    assert len(found) == 1 and "rank 2 made no call 1 here (it made 0)" in found[0], found
