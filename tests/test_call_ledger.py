@@ -284,3 +284,12 @@ def test_a_member_without_any_call_on_a_group_is_named_not_a_crash() -> None:
     reports = {rank: report(rank, 3, [ar("world")] if rank < 2 else [], {"world": None}) for rank in range(3)}
     found = check_group_sequences(reports)
     assert len(found) == 1 and "rank 2 made no call 1 here (it made 0)" in found[0], found
+
+
+@pytest.mark.parametrize("pattern", ["isend_then_recv", "irecv_then_send", "p2pop", "anysrc"])
+def test_correct_point_to_point_patterns_pass_a_sweep(pattern: str) -> None:
+    cmd = [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", "4", "--ranks", "all", "--quiet"]
+    cmd += [str(ROOT / "tests" / "dryrun_p2p_patterns.py"), pattern]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all checks passed" in done.stdout + done.stderr
