@@ -1,4 +1,4 @@
-"""Correct point-to-point patterns a dry-run sweep must pass (tests/test_call_ledger.py):
+"""Correct point-to-point (and uneven all_gather) patterns a dry-run sweep must pass (tests/test_call_ledger.py):
 ``python dryrun_p2p_patterns.py PATTERN`` on 4 ranks, pipeline 2."""
 
 import sys
@@ -38,4 +38,9 @@ elif pattern == "anysrc":  # stage 0 receives from whoever sends; then all reduc
     else:
         dist.send(out, dst=peer)
     dist.all_reduce(out)
+elif pattern == "uneven_all_gather":  # each rank's own shape (NCCL gathers lists of any shapes)
+    group = gpc.get_group(ParallelMode.PIPELINE)
+    outs = [torch.zeros(i + 1, 3) for i in range(2)]
+    dist.all_gather(outs, torch.zeros(stage + 1, 3), group=group)
+    dist.all_gather(outs, torch.zeros(stage + 1, 3), group=group, async_op=True).wait()
 gpc.destroy()

@@ -261,6 +261,8 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
                 try:
                     if kind == "recv" and _from_any(fn, args, kwargs):
                         return _recv_from_any(fn, args, kwargs)
+                    if kind == "all_gather":
+                        args, kwargs = _even_gather(fn, args, kwargs)
                     return fn(*args, **kwargs)
                 finally:
                     nested.pop()
@@ -307,6 +309,27 @@ def _accept_wrapped_p2p(c10d: Any, patches: Patches, wrapped: Mapping[Any, Any])
         return __init__
 
     patches.replace(p2p_op, "__init__", init)
+
+
+def _even_gather(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """An uneven ``all_gather`` (a list of outputs shaped by rank) for the fake backend, which
+    copies the rank's tensor into every output and fails on another shape: handed outputs shaped
+    like the rank's tensor instead (the list the script gave is left as it was)."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    outs, mine = bound.arguments.get("tensor_list"), bound.arguments.get("tensor")
+    shape = getattr(mine, "shape", None)
+    if (
+        mine is None
+        or not isinstance(outs, list)
+        or shape is None
+        or all(getattr(t, "shape", None) == shape for t in outs)
+    ):
+        return args, kwargs
+    bound.arguments["tensor_list"] = [mine.new_empty(shape) for _ in outs]
+    return bound.args, bound.kwargs
 
 
 def _returning(value: Any) -> Callable[[Any], Any]:
