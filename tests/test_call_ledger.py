@@ -286,10 +286,29 @@ def test_a_member_without_any_call_on_a_group_is_named_not_a_crash() -> None:
     assert len(found) == 1 and "rank 2 made no call 1 here (it made 0)" in found[0], found
 
 
-@pytest.mark.parametrize("pattern", ["isend_then_recv", "irecv_then_send", "p2pop", "anysrc"])
+@pytest.mark.parametrize(
+    "pattern", ["isend_then_recv", "irecv_then_send", "p2pop", "anysrc", "uneven_all_gather"]
+)
 def test_correct_point_to_point_patterns_pass_a_sweep(pattern: str) -> None:
     cmd = [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", "4", "--ranks", "all", "--quiet"]
     cmd += [str(ROOT / "tests" / "dryrun_p2p_patterns.py"), pattern]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "all checks passed" in done.stdout + done.stderr
+
+
+def test_two_members_differing_only_in_the_reduce_op_are_shown_apart() -> None:
+    from parallelctx.guard.ledger import describe
+
+    _, shown_sum = describe("all_reduce", {"tensor": None}, lambda r: r)
+    _, shown_max = describe("all_reduce", {"tensor": None, "op": "ReduceOp.MAX"}, lambda r: r)
+    assert shown_sum == "all_reduce()" and shown_max == "all_reduce(op MAX)"
+    # two variants whose calls read alike are still told apart by what they must agree on
+    calls = {
+        0: [ar("world", agree="all_reduce float32[4] SUM")],
+        1: [ar("world", agree="all_reduce float32[4] MAX")],
+    }
+    found = check_group_sequences({r: report(r, 2, own, {"world": None}) for r, own in calls.items()})
+    assert len(found) == 1, found
+    assert "ranks [0] made all_reduce(float32[4]) (train.py:10) [all_reduce float32[4] SUM]" in found[0]
+    assert "ranks [1] made all_reduce(float32[4]) (train.py:10) [all_reduce float32[4] MAX]" in found[0]

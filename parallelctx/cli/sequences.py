@@ -211,15 +211,20 @@ def _variants(
     first = next(
         i for i in range(longest + 1) if len({k[i] if i < len(k) else None for k in keys.values()}) > 1
     )
-    variants: dict[str, list[int]] = {}
+    variants: dict[tuple[str | None, str], list[int]] = {}  # (agree, shown): ranks
     for r in swept:
+        key: tuple[str | None, str]
         if first < len(keys[r]):
             call = seqs[r][first]
-            shown = f"{call.entry['shown']} ({_site(call)})"
+            key = (keys[r][first], f"{call.entry['shown']} ({_site(call)})")
         else:
-            shown = f"no call (they made {len(keys[r])})"
-        variants.setdefault(shown, []).append(r)
-    parts = "; ".join(f"ranks {_short(rs)} made {shown}" for shown, rs in variants.items())
+            key = (None, f"no call (they made {len(keys[r])})")
+        variants.setdefault(key, []).append(r)
+    alike = Counter(shown for _, shown in variants)
+    parts = "; ".join(
+        f"ranks {_short(rs)} made {shown}" + (f" [{agree}]" if alike[shown] > 1 else "")
+        for (agree, shown), rs in variants.items()
+    )
     return (
         f"{_name_group(members, reports, world)}: call {first + 1} differs: {parts}: the members "
         "must make the same calls in the same order"
