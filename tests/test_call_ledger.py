@@ -312,3 +312,15 @@ def test_two_members_differing_only_in_the_reduce_op_are_shown_apart() -> None:
     assert len(found) == 1, found
     assert "ranks [0] made all_reduce(float32[4]) (train.py:10) [all_reduce float32[4] SUM]" in found[0]
     assert "ranks [1] made all_reduce(float32[4]) (train.py:10) [all_reduce float32[4] MAX]" in found[0]
+
+
+def test_a_receive_skipped_after_the_window_is_still_found() -> None:
+    # rank 0 sends 1,500 times to rank 1, which receives 1,499 times: past the 1,000 kept calls
+    calls = {0: [p2p("send", 1)] * 1500, 1: [p2p("recv", 0)] * 1499}
+    reports = two_ranks(calls)
+    found = check_point_to_point(reports)
+    assert found == [
+        "rank 0 -> rank 1: after the calls every report keeps in full, rank 0 sends 1500 times to rank 1 "
+        "and rank 1 receives 1499 times from it; run fewer steps in the dry run to see where"
+    ], found
+    assert check_point_to_point(two_ranks({0: [p2p("send", 1)] * 1500, 1: [p2p("recv", 0)] * 1500})) == []

@@ -300,6 +300,42 @@ def check_point_to_point(reports: Reports) -> list[str]:
                 f"({_coords(dst, reports)} <- {_coords(src, reports)}), rank {src} sends to it {len(sent)} times: receive "
                 f"{len(sent) + 1}, {r.entry['shown']} ({_site(r)}), has no send"
             )
+    named = {(src, dst) for src, dst in sorted(set(sends) | set(recvs)) if any(
+        m.startswith((f"rank {src} ", f"rank {dst} ")) for m in out)}  # fmt: skip
+    return out + _p2p_beyond_window(reports, named)
+
+
+def _p2p_beyond_window(reports: Reports, named: set[tuple[int, int]]) -> list[str]:
+    """Pairs of swept ranks, one of whose reports kept only part of its calls, whose counts (or
+    hashes) of sends and receives differ: the ledger counts and hashes every call per peer."""
+    ledgers = {r: rep.get("calls") or {} for r, rep in reports.items() if rep.get("calls")}
+    out = []
+    for src, ledger in sorted(ledgers.items()):
+        counts = ledger.get("counts", {})
+        peers = {int(k.split()[1]) for k in counts if k.split()[0] == "send" and k.split()[1] != "None"}
+        peers |= {r for r, lg in ledgers.items() if f"recv {src}" in lg.get("counts", {})}
+        for dst in sorted(peers):
+            if dst not in ledgers or dst == src or (src, dst) in named or (dst, src) in named:
+                continue
+            other = ledgers[dst]
+            if ledger.get("kept", 0) < ledger.get("window", 1) and other.get("kept", 0) < other.get(
+                "window", 1
+            ):
+                continue  # both kept every call: check_point_to_point compared them in full
+            sent = counts.get(f"send {dst}", 0)
+            got = other.get("counts", {}).get(f"recv {src}", 0)
+            spare = other.get("counts", {}).get("recv None", 0)
+            same_hash = ledger.get("digests", {}).get(f"send {dst}") == other.get("digests", {}).get(
+                f"recv {src}"
+            )
+            if got > sent or sent > got + spare or (sent == got and not spare and not same_hash):
+                out.append(
+                    f"rank {src} -> rank {dst}: after the calls every report keeps in full, rank {src} sends "
+                    f"{sent} times to rank {dst} and rank {dst} receives {got} times from it"
+                    + (f" ({spare} from any rank)" if spare else "")
+                    + ("" if sent != got else " with other shapes, dtypes or tags")
+                    + "; run fewer steps in the dry run to see where"
+                )
     return out
 
 
