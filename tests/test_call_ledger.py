@@ -28,9 +28,10 @@ SCRIPTS = ROOT / "examples" / "deadlocks"
 
 
 def site(script: str, text: str) -> str:
-    """``examples/deadlocks/<script>:<line>`` of the line holding ``text``."""
+    """``<path of examples/deadlocks/<script>>:<line>`` of the line holding ``text``: the sweep
+    runs the script by its absolute path, which the call site names."""
     lines = (SCRIPTS / script).read_text().splitlines()
-    return f"examples/deadlocks/{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+    return f"{SCRIPTS / script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
 def sweep(
