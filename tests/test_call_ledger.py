@@ -28,9 +28,10 @@ SCRIPTS = ROOT / "examples" / "deadlocks"
 
 
 def site(script: str, text: str) -> str:
-    """``examples/deadlocks/<script>:<line>`` of the line holding ``text``."""
+    """``<path of examples/deadlocks/<script>>:<line>`` of the line holding ``text``: the sweep
+    runs the script by its absolute path, which the call site names."""
     lines = (SCRIPTS / script).read_text().splitlines()
-    return f"examples/deadlocks/{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+    return f"{SCRIPTS / script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
 def sweep(
@@ -241,3 +242,88 @@ def test_a_256_rank_sweep_names_each_planted_bug_and_passes_without_it(
     assert good.returncode == 0 and "all checks passed" in good.stdout, (
         good.stdout[-3000:] + good.stderr[-3000:]
     )
+
+
+# ---------------------------------------------------------------- asynchronous point-to-point
+def p2p(kind: str, peer: int | None, asynchronous: bool = False) -> dict:
+    entry = {"kind": kind, "on": "world", "peer": peer, "tag": 0, "agree": "float32[4]"}
+    entry["shown"] = f"{kind}(float32[4])"
+    if asynchronous:
+        entry["async"] = True
+    return entry
+
+
+def two_ranks(calls: dict[int, list[dict]]) -> dict[int, dict]:
+    return {rank: report(rank, 2, own, {"world": None}) for rank, own in calls.items()}
+
+
+def test_an_isend_then_a_blocking_recv_on_both_ranks_is_no_cycle() -> None:
+    # req = dist.isend(out, peer); dist.recv(inp, peer); req.wait(): the isend is posted first.
+    reports = two_ranks(
+        {0: [p2p("isend", 1, True), p2p("recv", 1)], 1: [p2p("isend", 0, True), p2p("recv", 0)]}
+    )
+    assert check_calls(reports) == []
+
+
+def test_an_irecv_posted_before_a_blocking_send_takes_it() -> None:
+    reports = two_ranks(
+        {0: [p2p("irecv", 1, True), p2p("send", 1)], 1: [p2p("irecv", 0, True), p2p("send", 0)]}
+    )
+    assert check_calls(reports) == []
+    # one side blocking-sends first and the other posted its irecv: still fine
+    reports = two_ranks({0: [p2p("send", 1), p2p("recv", 1)], 1: [p2p("irecv", 0, True), p2p("send", 0)]})
+    assert check_calls(reports) == []
+
+
+def test_both_ranks_blocking_send_first_is_still_a_cycle() -> None:
+    # gloo's send waits for its receive, even for 4 floats: a real hang.
+    reports = two_ranks({0: [p2p("send", 1), p2p("recv", 1)], 1: [p2p("send", 0), p2p("recv", 0)]})
+    found = check_wait_cycles(reports)
+    assert len(found) == 1 and found[0].startswith("wait cycle of ranks [0, 1]"), found
+
+
+def test_a_member_without_any_call_on_a_group_is_named_not_a_crash() -> None:
+    # ranks 0 and 1 all_reduce on the world, rank 2 makes no call at all (its only one skipped)
+    reports = {rank: report(rank, 3, [ar("world")] if rank < 2 else [], {"world": None}) for rank in range(3)}
+    found = check_group_sequences(reports)
+    assert len(found) == 1 and "rank 2 made no call 1 here (it made 0)" in found[0], found
+
+
+@pytest.mark.parametrize(
+    "pattern", ["isend_then_recv", "irecv_then_send", "p2pop", "anysrc", "uneven_all_gather"]
+)
+def test_correct_point_to_point_patterns_pass_a_sweep(pattern: str) -> None:
+    cmd = [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", "4", "--ranks", "all", "--quiet"]
+    cmd += [str(ROOT / "tests" / "dryrun_p2p_patterns.py"), pattern]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "all checks passed" in done.stdout + done.stderr
+
+
+def test_two_members_differing_only_in_the_reduce_op_are_shown_apart() -> None:
+    from parallelctx.guard.ledger import describe
+
+    _, shown_sum = describe("all_reduce", {"tensor": None}, lambda r: r)
+    _, shown_max = describe("all_reduce", {"tensor": None, "op": "ReduceOp.MAX"}, lambda r: r)
+    assert shown_sum == "all_reduce()" and shown_max == "all_reduce(op MAX)"
+    # two variants whose calls read alike are still told apart by what they must agree on
+    calls = {
+        0: [ar("world", agree="all_reduce float32[4] SUM")],
+        1: [ar("world", agree="all_reduce float32[4] MAX")],
+    }
+    found = check_group_sequences({r: report(r, 2, own, {"world": None}) for r, own in calls.items()})
+    assert len(found) == 1, found
+    assert "ranks [0] made all_reduce(float32[4]) (train.py:10) [all_reduce float32[4] SUM]" in found[0]
+    assert "ranks [1] made all_reduce(float32[4]) (train.py:10) [all_reduce float32[4] MAX]" in found[0]
+
+
+def test_a_receive_skipped_after_the_window_is_still_found() -> None:
+    # rank 0 sends 1,500 times to rank 1, which receives 1,499 times: past the 1,000 kept calls
+    calls = {0: [p2p("send", 1)] * 1500, 1: [p2p("recv", 0)] * 1499}
+    reports = two_ranks(calls)
+    found = check_point_to_point(reports)
+    assert found == [
+        "rank 0 -> rank 1: after the calls every report keeps in full, rank 0 sends 1500 times to rank 1 "
+        "and rank 1 receives 1499 times from it; run fewer steps in the dry run to see where"
+    ], found
+    assert check_point_to_point(two_ranks({0: [p2p("send", 1)] * 1500, 1: [p2p("recv", 0)] * 1500})) == []

@@ -12,7 +12,8 @@ position and its call site:
 * :func:`check_wait_cycles`: the ranks' calls played as the real job would progress (a
   collective completes when every member has reached it, a blocking send when its receive is
   reached); ranks left waiting on each other in a cycle are named, with where each waits.
-  Asynchronous calls do not block. An order that only serialises is no finding.
+  Asynchronous calls do not block but are posted where made (a blocking send completes on a
+  receive its peer posted earlier with ``irecv``). An order that only serialises is no finding.
 
 Only swept ranks are compared; a member that was not swept is taken to make every call.
 """
@@ -156,7 +157,7 @@ def _first_difference(
     world: int,
 ) -> str:
     common = keys[ref]
-    first = min(_position(keys[r], common, seqs[r], seqs[ref]) for r in odd)
+    first = min(_position(keys[r], common, seqs.get(r, []), seqs[ref]) for r in odd)
     agreeing = [r for r in swept if keys[r] == common]
     head = f"{_name_group(members, reports, world)}: call {first + 1}"
     if first < len(common):
@@ -167,7 +168,7 @@ def _first_difference(
     parts = []
     for r in odd:
         own = keys[r]
-        if _position(own, common, seqs[r], seqs[ref]) != first:
+        if _position(own, common, seqs.get(r, []), seqs[ref]) != first:
             continue
         if first >= len(own):
             parts.append(f"rank {r} made no call {first + 1} here (it made {len(own)})")
@@ -210,15 +211,20 @@ def _variants(
     first = next(
         i for i in range(longest + 1) if len({k[i] if i < len(k) else None for k in keys.values()}) > 1
     )
-    variants: dict[str, list[int]] = {}
+    variants: dict[tuple[str | None, str], list[int]] = {}  # (agree, shown): ranks
     for r in swept:
+        key: tuple[str | None, str]
         if first < len(keys[r]):
             call = seqs[r][first]
-            shown = f"{call.entry['shown']} ({_site(call)})"
+            key = (keys[r][first], f"{call.entry['shown']} ({_site(call)})")
         else:
-            shown = f"no call (they made {len(keys[r])})"
-        variants.setdefault(shown, []).append(r)
-    parts = "; ".join(f"ranks {_short(rs)} made {shown}" for shown, rs in variants.items())
+            key = (None, f"no call (they made {len(keys[r])})")
+        variants.setdefault(key, []).append(r)
+    alike = Counter(shown for _, shown in variants)
+    parts = "; ".join(
+        f"ranks {_short(rs)} made {shown}" + (f" [{agree}]" if alike[shown] > 1 else "")
+        for (agree, shown), rs in variants.items()
+    )
     return (
         f"{_name_group(members, reports, world)}: call {first + 1} differs: {parts}: the members "
         "must make the same calls in the same order"
@@ -294,6 +300,42 @@ def check_point_to_point(reports: Reports) -> list[str]:
                 f"({_coords(dst, reports)} <- {_coords(src, reports)}), rank {src} sends to it {len(sent)} times: receive "
                 f"{len(sent) + 1}, {r.entry['shown']} ({_site(r)}), has no send"
             )
+    named = {(src, dst) for src, dst in sorted(set(sends) | set(recvs)) if any(
+        m.startswith((f"rank {src} ", f"rank {dst} ")) for m in out)}  # fmt: skip
+    return out + _p2p_beyond_window(reports, named)
+
+
+def _p2p_beyond_window(reports: Reports, named: set[tuple[int, int]]) -> list[str]:
+    """Pairs of swept ranks, one of whose reports kept only part of its calls, whose counts (or
+    hashes) of sends and receives differ: the ledger counts and hashes every call per peer."""
+    ledgers = {r: rep.get("calls") or {} for r, rep in reports.items() if rep.get("calls")}
+    out = []
+    for src, ledger in sorted(ledgers.items()):
+        counts = ledger.get("counts", {})
+        peers = {int(k.split()[1]) for k in counts if k.split()[0] == "send" and k.split()[1] != "None"}
+        peers |= {r for r, lg in ledgers.items() if f"recv {src}" in lg.get("counts", {})}
+        for dst in sorted(peers):
+            if dst not in ledgers or dst == src or (src, dst) in named or (dst, src) in named:
+                continue
+            other = ledgers[dst]
+            if ledger.get("kept", 0) < ledger.get("window", 1) and other.get("kept", 0) < other.get(
+                "window", 1
+            ):
+                continue  # both kept every call: check_point_to_point compared them in full
+            sent = counts.get(f"send {dst}", 0)
+            got = other.get("counts", {}).get(f"recv {src}", 0)
+            spare = other.get("counts", {}).get("recv None", 0)
+            same_hash = ledger.get("digests", {}).get(f"send {dst}") == other.get("digests", {}).get(
+                f"recv {src}"
+            )
+            if got > sent or sent > got + spare or (sent == got and not spare and not same_hash):
+                out.append(
+                    f"rank {src} -> rank {dst}: after the calls every report keeps in full, rank {src} sends "
+                    f"{sent} times to rank {dst} and rank {dst} receives {got} times from it"
+                    + (f" ({spare} from any rank)" if spare else "")
+                    + ("" if sent != got else " with other shapes, dtypes or tags")
+                    + "; run fewer steps in the dry run to see where"
+                )
     return out
 
 
@@ -316,80 +358,110 @@ def _coords(rank: int, reports: Reports) -> str:
 
 
 def check_wait_cycles(reports: Reports) -> list[str]:
-    """Play the swept ranks' blocking calls as the real job would progress and name every set
-    of ranks left waiting on each other in a cycle (each rank, the call it waits in, its group
-    and call site, and the rank it waits for); an order that only serialises is no finding."""
-    calls = {r: [c for c in own if c.blocking] for r, own in _calls(reports).items()}
+    """Play the swept ranks' calls as the real job would progress and name every set of ranks
+    left waiting on each other in a cycle (each rank, the call it waits in, its group and call
+    site, and the rank it waits for); an order that only serialises is no finding.
+
+    An asynchronous call (``isend``, ``irecv``, ``batch_isend_irecv``'s operations, a collective
+    with ``async_op=True``) does not block its rank, but it is posted where the rank made it: a
+    blocking send completes once its receive is posted (blocking or not), a blocking receive
+    once its send is, a blocking collective once every swept member has posted it. Messages
+    between two ranks match in order; the ``wait()`` on an asynchronous call is not recorded."""
+    calls = _calls(reports)
     if not calls:
         return []
     world = max(int(rep.get("world_size", 0)) for rep in reports.values())
-    need = {}
+    need: dict[Any, int] = {}
     for own in calls.values():
         for c in own:
             if c.stream[0] == "group" and c.stream[1] not in need:
                 need[c.stream[1]] = sum(1 for m in c.stream[1] if m in calls)
     ptr = dict.fromkeys(calls, 0)
+    posted = dict.fromkeys(calls, -1)  # the index of each rank's last posted call
+    ordinal: dict[tuple[int, int], int] = {}  # (rank, index): a point-to-point call's place on its pair
     arrived: dict[tuple[Any, int], set[int]] = {}
+    sent: Counter[tuple[int, int]] = Counter()  # (src, dst): sends posted
+    taken: Counter[tuple[int, int]] = Counter()  # (src, dst): receives posted (any source: once matched)
+    anywhere: Counter[int] = Counter()  # dst: asynchronous receives from any source not yet matched
+    work = deque(sorted(calls))
+
+    def post(rank: int, index: int, call: _Call) -> None:
+        if call.stream[0] == "group":
+            key = (call.stream[1], call.position)
+            here = arrived.setdefault(key, set())
+            here.add(rank)
+            if len(here) == need[call.stream[1]]:
+                work.extend(m for m in here if m != rank)
+            return
+        _, src, dst = call.stream
+        if _P2P[call.kind] == "send":
+            ordinal[(rank, index)] = sent[(src, dst)]
+            sent[(src, dst)] += 1
+            work.append(dst)
+        elif src is None:
+            if not call.blocking:
+                anywhere[rank] += 1
+            work.extend(r for r in calls if r != rank)
+        else:
+            ordinal[(rank, index)] = taken[(src, dst)]
+            taken[(src, dst)] += 1
+            work.append(src)
+
+    def done(rank: int, index: int, call: _Call) -> bool:
+        if call.stream[0] == "group":
+            return len(arrived[(call.stream[1], call.position)]) >= need[call.stream[1]]
+        _, src, dst = call.stream
+        if _P2P[call.kind] == "send":
+            if dst not in calls or taken[(src, dst)] > ordinal[(rank, index)]:
+                return True
+            if anywhere[dst]:
+                anywhere[dst] -= 1
+                taken[(src, dst)] += 1
+                return True
+            return False
+        if src is not None:
+            return src not in calls or sent[(src, dst)] > ordinal[(rank, index)]
+        waiting = next((r for r in sorted(calls) if sent[(r, rank)] > taken[(r, rank)]), None)
+        if waiting is None:
+            return False
+        taken[(waiting, rank)] += 1
+        return True
+
+    while work:
+        rank = work.popleft()
+        own = calls[rank]
+        while ptr[rank] < len(own):
+            index = ptr[rank]
+            call = own[index]
+            if posted[rank] < index:
+                posted[rank] = index
+                post(rank, index, call)
+            if call.blocking and not done(rank, index, call):
+                break
+            ptr[rank] += 1
 
     def current(rank: int) -> _Call | None:
         own = calls[rank]
         return own[ptr[rank]] if ptr[rank] < len(own) else None
 
-    def counterpart(waiting: _Call, rank: int, peer: int) -> bool:
-        other = current(peer)
-        if other is None or other.stream[0] != "p2p" or _P2P[other.kind] == _P2P[waiting.kind]:
-            return False
-        _, src, dst = other.stream
-        if _P2P[other.kind] == "recv":
-            return dst == peer and (src is None or src == rank)
-        return src == peer and dst == rank
-
-    work = deque(sorted(calls))
-    while work:
-        rank = work.popleft()
-        call = current(rank)
-        if call is None:
-            continue
-        if call.stream[0] == "group":
-            key = (call.stream[1], call.position)
-            here = arrived.setdefault(key, set())
-            if rank in here:
-                continue
-            here.add(rank)
-            if len(here) >= need[call.stream[1]]:
-                del arrived[key]
-                for m in here:
-                    ptr[m] += 1
-                    work.append(m)
-            continue
-        _, src, dst = call.stream
-        peer = dst if _P2P[call.kind] == "send" else src
-        if peer is None:  # a receive from any rank: any swept rank sending to it now
-            peer = next((r for r in calls if r != rank and counterpart(call, rank, r)), None)
-            if peer is None:
-                continue
-        if peer not in calls:
-            ptr[rank] += 1
-            work.append(rank)
-        elif counterpart(call, rank, peer):
-            ptr[rank] += 1
-            ptr[peer] += 1
-            work.extend((rank, peer))
-    return _cycles(calls, current, reports, world)
+    return _cycles(calls, current, arrived, reports, world)
 
 
-def _cycles(calls: dict[int, list[_Call]], current: Any, reports: Reports, world: int) -> list[str]:
+def _cycles(
+    calls: dict[int, list[_Call]],
+    current: Any,
+    arrived: Mapping[tuple[Any, int], set[int]],
+    reports: Reports,
+    world: int,
+) -> list[str]:
     waits: dict[int, list[int]] = {}
     for rank in calls:
         call = current(rank)
         if call is None:
             continue
         if call.stream[0] == "group":
-            position = call.position
-            waits[rank] = [
-                m for m in call.stream[1]
-                if m in calls and m != rank and not _waits_at(current(m), call.stream, position)
-            ]  # fmt: skip
+            here = arrived.get((call.stream[1], call.position), set())
+            waits[rank] = [m for m in call.stream[1] if m in calls and m != rank and m not in here]
         else:
             _, src, dst = call.stream
             peer = dst if _P2P[call.kind] == "send" else src
@@ -460,10 +532,6 @@ def _cycles_of(waits: dict[int, list[int]]) -> list[list[int]]:
             node = next(m for m in edges[node] if m in inside)
         cycles.append(path[index[node] :])
     return cycles
-
-
-def _waits_at(call: _Call | None, stream: tuple[Any, ...], position: int) -> bool:
-    return call is not None and call.stream == stream and call.position == position
 
 
 def check_calls(reports: Reports) -> list[str]:

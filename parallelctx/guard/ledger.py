@@ -82,6 +82,8 @@ def describe(kind: str, given: Mapping[str, Any], group_rank: Any) -> tuple[str,
     if kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
         op = _op(given.get("op"))
         parts.append(op)
+        if op != "SUM":  # shown where it is not the default, so two ops never read alike
+            shown = f"{shown}, op {op}" if shown else f"op {op}"
     root_key = _ROOTED.get(kind)
     if root_key is not None:
         local = given.get(f"group_{root_key}")

@@ -237,7 +237,9 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
             names = list(inspect.signature(fn).parameters)
 
             def collective(*args: Any, **kwargs: Any) -> Any:
-                if dry.ledger is not None and not nested and len(args) <= len(names):
+                if nested:  # torch's own call inside a recorded one (send's isend): not counted again
+                    return fn(*args, **kwargs)
+                if dry.ledger is not None and len(args) <= len(names):
                     given = dict(zip(names, args))  # the arguments by name (defaults left out)
                     given.update(kwargs)
                     _note_call(dry.ledger, dry.sim.rank, kind, given, _call_site())
@@ -257,6 +259,10 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
                     )
                 nested.append(kind)  # batch_isend_irecv calls the ops it was given: noted once
                 try:
+                    if kind == "recv" and _from_any(fn, args, kwargs):
+                        return _recv_from_any(fn, args, kwargs)
+                    if kind == "all_gather":
+                        args, kwargs = _even_gather(fn, args, kwargs)
                     return fn(*args, **kwargs)
                 finally:
                     nested.pop()
@@ -267,10 +273,96 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
         return wrap
 
     patches.replace(dist, "new_group", recording_new_group)
+    wrapped: dict[Any, Any] = {}
     for kind in COLLECTIVES:
         if getattr(dist, kind, None) is not None:
-            patches.replace(dist, kind, counting(kind))
+            original = getattr(dist, kind)
+            wrapped[original] = patches.replace(dist, kind, counting(kind))
+    _accept_wrapped_p2p(c10d, patches, wrapped)
     return patches.restore
+
+
+def _accept_wrapped_p2p(c10d: Any, patches: Patches, wrapped: Mapping[Any, Any]) -> None:
+    """Let ``P2POp`` and ``batch_isend_irecv`` take the wrapped ``isend``/``irecv``: torch checks
+    ``op in [isend, irecv]`` and ``op is isend`` against its module's own functions, so those
+    become the wrappers too, and a ``P2POp`` given an original (imported before the dry run
+    began) holds its wrapper instead."""
+    pairs = [(name, getattr(c10d, name, None)) for name in ("isend", "irecv")]
+    if any(fn not in wrapped for _, fn in pairs):
+        return
+    for name, fn in pairs:
+        patches.replace(c10d, name, _returning(wrapped[fn]))
+    if getattr(c10d, "_check_op", None) is not None:
+
+        def check(original: Callable[[Any], None]) -> Callable[[Any], None]:
+            return lambda op: original(wrapped.get(op, op))
+
+        patches.replace(c10d, "_check_op", check)
+    p2p_op = getattr(c10d, "P2POp", None)
+    if p2p_op is None:
+        return
+
+    def init(original: Callable[..., Any]) -> Callable[..., Any]:
+        def __init__(self: Any, op: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+            original(self, wrapped.get(op, op), *args, **kwargs)
+
+        return __init__
+
+    patches.replace(p2p_op, "__init__", init)
+
+
+def _even_gather(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """An uneven ``all_gather`` (a list of outputs shaped by rank) for the fake backend, which
+    copies the rank's tensor into every output and fails on another shape: handed outputs shaped
+    like the rank's tensor instead (the list the script gave is left as it was)."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs)
+    except TypeError:
+        return args, kwargs
+    outs, mine = bound.arguments.get("tensor_list"), bound.arguments.get("tensor")
+    shape = getattr(mine, "shape", None)
+    if (
+        mine is None
+        or not isinstance(outs, list)
+        or shape is None
+        or all(getattr(t, "shape", None) == shape for t in outs)
+    ):
+        return args, kwargs
+    bound.arguments["tensor_list"] = [mine.new_empty(shape) for _ in outs]
+    return bound.args, bound.kwargs
+
+
+def _returning(value: Any) -> Callable[[Any], Any]:
+    """A :meth:`Patches.replace` maker that replaces with ``value``."""
+    return lambda _: value
+
+
+def _from_any(fn: Callable[..., Any], args: Any, kwargs: Any) -> bool:
+    """True for a ``recv`` call given neither ``src`` nor ``group_src``."""
+    try:
+        given = inspect.signature(fn).bind(*args, **kwargs).arguments
+    except TypeError:
+        return False
+    return given.get("src") is None and given.get("group_src") is None
+
+
+def _recv_from_any(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """A ``recv`` from any source on the fake backend, whose work cannot say the sender
+    (``sourceRank()`` raises): received from the group's lowest other rank, which it returns
+    (the rank itself in a group of one)."""
+    import torch.distributed as dist
+
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    group = bound.arguments.get("group")
+    ranks = _members(group)
+    ranks = list(range(dist.get_world_size())) if ranks is None else ranks
+    me = dist.get_rank()
+    src = next((r for r in ranks if r != me), me)
+    bound.arguments["src"] = src
+    if src == me:
+        return src
+    fn(*bound.args, **bound.kwargs)
+    return src
 
 
 def _members(group: Any) -> list[int] | None:
