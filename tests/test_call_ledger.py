@@ -28,10 +28,10 @@ SCRIPTS = ROOT / "examples" / "deadlocks"
 
 
 def site(script: str, text: str) -> str:
-    """``<path of examples/deadlocks/<script>>:<line>`` of the line holding ``text``: the sweep
-    runs the script by its absolute path, which the call site names."""
+    """``examples/deadlocks/<script>:<line>`` of the line holding ``text``: :func:`sweep` runs
+    the script by that path, relative to the repository, which the call site names."""
     lines = (SCRIPTS / script).read_text().splitlines()
-    return f"{SCRIPTS / script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
+    return f"examples/deadlocks/{script}:{next(i for i, line in enumerate(lines, 1) if text in line)}"
 
 
 def sweep(
