@@ -289,6 +289,7 @@ def test_a_member_without_any_call_on_a_group_is_named_not_a_crash() -> None:
     assert len(found) == 1 and "rank 2 made no call 1 here (it made 0)" in found[0], found
 
 
+@pytest.mark.sweeps
 @pytest.mark.parametrize(
     "pattern", ["isend_then_recv", "irecv_then_send", "p2pop", "anysrc", "uneven_all_gather"]
 )

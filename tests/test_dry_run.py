@@ -144,6 +144,7 @@ def test_sweep_of_all_ranks_names_the_rank_that_skips_a_world_group(tmp_path: Pa
     )
 
 
+@pytest.mark.sweeps
 def test_sweep_of_the_covering_set_names_the_ranks_of_one_data_index_that_skip_a_world_group(
     tmp_path: Path,
 ) -> None:
@@ -412,6 +413,7 @@ def test_plugin_simulate_true_runs_a_4096_rank_test_on_the_pool(pytester: pytest
     assert "dry run of rank 40 of 64" in text and "wrong on the last rank" in text
 
 
+@pytest.mark.sweeps
 def test_plugin_simulate_default_ranks_find_bugs_on_interior_ranks(pytester: pytest.Pytester) -> None:
     # Before the covering set the default ranks were the first and last of each pipeline stage
     # and of the world: all three buggy tests passed.
