@@ -405,17 +405,27 @@ def _wrap(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -
         slot.count = count = slot.count + 1
         slot.call = call = [count, op, args, clock(), None]
         calls.append(call)
-        try:
-            work = original(self, *args, **kwargs)
-        except BaseException:
-            call[4] = _DONE
-            raise
-        call[4] = _DONE if work is None else work  # None: nothing to wait for (coalescing)
-        return work
+        return _entered(call, original, self, args, kwargs)
 
-    collective.__name__ = collective.__qualname__ = name
-    collective.__doc__ = getattr(original, "__doc__", None)
-    return collective
+    return _named(collective, name, original)
+
+
+def _entered(call: list[Any], original: Callable[..., Any], pg: Any, args: Any, kwargs: Any) -> Any:
+    """Run torch's ``original`` method and keep the ``Work`` it returns in ``call`` (``_DONE``
+    when it raised or gave none: a coalesced call has nothing to wait for); return the Work."""
+    try:
+        work = original(pg, *args, **kwargs)
+    except BaseException:
+        call[4] = _DONE
+        raise
+    call[4] = _DONE if work is None else work
+    return work
+
+
+def _named(wrapper: Callable[..., Any], name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = getattr(original, "__doc__", None)
+    return wrapper
 
 
 def _wrap_p2p(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot]) -> Callable[..., Any]:
@@ -434,17 +444,9 @@ def _wrap_p2p(name: str, original: Callable[..., Any], slots: Mapping[Any, _Slot
         slot.p2p[key] = count = slot.p2p.get(key, 0) + 1
         slot.p2p_last = call = [count, direction, args, clock(), None, peer]
         calls.append(call)
-        try:
-            work = original(self, *args, **kwargs)
-        except BaseException:
-            call[4] = _DONE
-            raise
-        call[4] = _DONE if work is None else work
-        return work
+        return _entered(call, original, self, args, kwargs)
 
-    p2p.__name__ = p2p.__qualname__ = name
-    p2p.__doc__ = getattr(original, "__doc__", None)
-    return p2p
+    return _named(p2p, name, original)
 
 
 def _order(group: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
