@@ -257,6 +257,21 @@ def two_ranks(calls: dict[int, list[dict]]) -> dict[int, dict]:
     return {rank: report(rank, 2, own, {"world": None}) for rank, own in calls.items()}
 
 
+def test_a_dtensor_model_s_functional_collectives_are_in_the_sweep() -> None:
+    # DTensor's forward, backward and full_tensor() reach the group through torch's functional
+    # collectives; a gather that only tensor rank 0 makes is named with the user's line.
+    bug = sweep(8, "dtensor_log.py", "--bug")
+    assert bug.returncode == 1, bug.stdout[-3000:] + bug.stderr[-3000:]
+    assert (
+        "tensor group [4, 5, 6, 7] (pipeline stage 1): call 2 is not made on ranks [5, 6, 7] (they "
+        "made 1 call on it); rank 4 made all_gather_into_tensor(float32[4, 8]) in "
+        f"addition here ({site('dtensor_log.py', 'full_tensor().norm')})"
+    ) in bug.stdout, bug.stdout[-3000:]
+    assert bug.stdout.count("tensor group [") == 2  # one finding per tensor group
+    clean = sweep(8, "dtensor_log.py")
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+
+
 def test_an_isend_then_a_blocking_recv_on_both_ranks_is_no_cycle() -> None:
     # req = dist.isend(out, peer); dist.recv(inp, peer); req.wait(): the isend is posted first.
     reports = two_ranks(

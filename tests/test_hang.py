@@ -220,6 +220,40 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
         dist.destroy_process_group()
 
 
+def test_the_watch_counts_functional_collectives_until_their_result_is_waited_for(tmp_path: Path) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+    try:
+        group = dist.group.WORLD
+        watch = HangWatch(
+            timedelta(seconds=60), 0, store, [(group, (ParallelMode.TENSOR,), False, (0, 1))], []
+        )
+        packet = torch.ops._c10d_functional.all_reduce
+        watch.start()
+        try:
+            dist.all_reduce(torch.ones(2))
+            result = funcol.all_reduce(torch.ones(4), "sum", group)
+            slot = watch._slots[group]
+            assert slot.count == 2 and slot.call is not None
+            assert slot.worded(slot.call)[0] == "all_reduce(float32[4])"
+            assert slot.oldest_pending() is slot.call  # enqueued, not yet waited for
+            assert result.wait().tolist() == [1.0] * 4
+            assert slot.oldest_pending() is None
+            gathered = funcol.all_gather_single(torch.ones(2, 3), 0, group)
+            assert slot.worded(slot.call)[0] == "all_gather_into_tensor(float32[2, 3], float32[2, 3])"
+            assert slot.count == 3 and slot.oldest_pending() is slot.call
+            assert (gathered + 1).sum().item() == 12.0  # using the result waits for it
+            assert slot.oldest_pending() is None
+        finally:
+            watch.stop()
+        assert torch.ops._c10d_functional.all_reduce is packet  # the op is put back
+        assert funcol.all_reduce(torch.ones(1), "sum", group).wait().item() == 1.0
+    finally:
+        dist.destroy_process_group()
+
+
 def torchrun_rows(
     tmp_path: Path, scenario: str, nproc: int = 8, env: dict[str, str] | None = None
 ) -> list[dict]:
@@ -354,6 +388,31 @@ def test_ranks_that_entered_another_shape_or_root_are_still_mismatched(tmp_path:
                 assert "rank 3 never entered it" in report["text"], report
                 for other, entered in expected.items():
                     assert f"rank {other} entered a different call: {entered} (mismatch)" in report["text"]
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(400)
+def test_a_dtensor_gather_that_one_rank_never_makes_is_named_with_functional_calls_counted(
+    tmp_path: Path,
+) -> None:
+    rows = torchrun_rows(tmp_path, "functional", nproc=4)
+    for row in rows:  # the functional and the torch.distributed all-reduce give the same sums
+        pair = (1, 2) if row["rank"] < 2 else (3, 4)
+        assert row["sums"] == [[float(sum(pair))] * 4] * 2, row
+    (report,) = rows[1]["reports"]
+    assert (report["mode"], report["op"], report["count"], report["missing"]) == (
+        "tensor",
+        "all_gather_into_tensor",
+        4,  # after the functional all-reduce, dist.all_reduce and distribute_tensor's scatter
+        [0],
+    ), report
+    assert report["call"] == "all_gather_into_tensor(float32[8, 8], float32[4, 8])", report
+    assert report["mismatched"] == {} and report["after_entry_s"] < 2.0 + 5.0, report
+    print(report["text"])
+    assert "raised" in rows[1], rows[1]  # the handler's abort ended the functional wait
+    for row in rows[2:]:  # the other tensor group gathered the weight and reported nothing
+        assert row["reports"] == [] and row["gathered"] is True, row
+    assert rows[0]["reports"] == []
 
 
 @pytest.mark.faults

@@ -122,6 +122,13 @@ def test_rank_0_leaves_an_isend_on_its_own_group():
         dist.isend(torch.ones(1), dst=1, group=group)  # rank 1 never receives it
 
 @pytest.mark.parallel(world_size=2, timeout=60)
+def test_rank_1_leaves_a_functional_all_reduce():
+    import torch.distributed._functional_collectives as funcol
+
+    if dist.get_rank() == 1:  # a DTensor-style call that reaches the group in C++
+        funcol.all_reduce(torch.ones(1), "sum", dist.group.WORLD)
+
+@pytest.mark.parallel(world_size=2, timeout=60)
 def test_correct():
     x = torch.ones(1)
     dist.all_reduce(x)
@@ -130,7 +137,7 @@ def test_correct():
 """
     )
     result = pytester.runpytest("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1, failed=2)
+    result.assert_outcomes(passed=1, failed=3)
     result.stdout.fnmatch_lines(
         [
             "*_ test_rank_0_leaves_an_all_reduce _*",
@@ -142,6 +149,9 @@ def test_correct():
             "every rank passed, but the test left calls unmatched on a process group: *",
             "  group '*' (not one of gpc's) (ranks 0, 1): rank 0 sent 1 tensor(s) to rank 1, "
             "which received 0 from rank 0",
+            "*_ test_rank_1_leaves_a_functional_all_reduce _*",
+            "  the default group (*) (ranks 0, 1): rank 0 made none; "
+            "rank 1 made 1 collective call on it (all_reduce x1)",
         ]
     )
     first, correct = _notes(pytester, "first"), _notes(pytester, "correct")
@@ -174,6 +184,8 @@ def test_balanced_a():
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     work.wait()
+    import torch.distributed._functional_collectives as funcol
+    assert funcol.all_reduce(torch.ones(1), "sum", group).wait().item() == 2.0  # counted on both
     note("a")
 
 @pytest.mark.parallel(world_size=2, tensor=2, config=CONFIG, timeout=60)

@@ -23,6 +23,12 @@ Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
 * ``shape_mismatch`` (4 ranks, cycles as above, rank 3 asleep): ranks 0 and 1 all-reduce
   ``float32[4]`` and rank 2 ``float32[8]``; then ranks 0 and 1 broadcast from rank 0 and rank
   2 from rank 1. Rank 3 is missing and rank 2 (to ranks 0 and 1) is mismatched.
+* ``functional`` (4 ranks; tensor groups {0, 1} and {2, 3}): a tensor-parallel step written
+  with DTensor and torch's functional collectives. Every rank reduces a partial sum over the
+  tensor group with ``funcol.all_reduce`` and then with ``dist.all_reduce`` (the count mixes
+  both); then ranks 1, 2 and 3 gather a row-sharded weight (``DTensor.redistribute`` to
+  ``Replicate``: a functional all-gather) while rank 0 sleeps. Rank 1 names rank 0 missing in
+  the tensor group's third call, ``all_gather_into_tensor``; ranks 2 and 3 complete.
 * ``healthy``: 200 steps of all-reduces on the data, tensor and global groups and a CPU-group
   all_gather_object, with ``after`` = 1 s: no report may come.
 
@@ -54,6 +60,7 @@ AFTER = {
     "async": 1.0,
     "per_rank_shapes": 1.0,
     "shape_mismatch": 1.0,
+    "functional": 2.0,
 }
 SHAPE_CYCLES = {
     "per_rank_shapes": ["all_to_all_single", "gather", "scatter"],
@@ -113,6 +120,10 @@ def main() -> int:
         gpc.destroy()
         (out / f"rank-{rank}.json").write_text(json.dumps(record))
         return 0
+    if scenario == "functional":
+        functional_step(config, rank, record, entered)
+        (out / f"rank-{rank}.json").write_text(json.dumps(record))
+        return 0
     parallelctx.launch_from_torch(config)
     data = gpc.get_group(ParallelMode.DATA)
     if scenario == "healthy":
@@ -156,6 +167,32 @@ def main() -> int:
     gpc.destroy()
     (out / f"rank-{rank}.json").write_text(json.dumps(record))
     return 0
+
+
+def functional_step(config: dict, rank: int, record: dict, entered: dict[str, float]) -> None:
+    """The ``functional`` scenario, as a user's DTensor model code would make it."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    parallelctx.launch_from_torch(config)
+    tensor = gpc.get_group(ParallelMode.TENSOR)
+    partial = torch.full((4,), float(rank + 1))
+    total = funcol.all_reduce(partial, "sum", tensor).wait()
+    dist.all_reduce(partial, group=tensor)
+    record["sums"] = [total.tolist(), partial.tolist()]
+    weight = distribute_tensor(torch.arange(64.0).reshape(8, 8), gpc.device_mesh["tp"], [Shard(0)])
+    dist.barrier()
+    if rank == 0:
+        time.sleep(AFTER["functional"] + 6)  # never gathers the weight
+    else:
+        entered["t"] = time.perf_counter()
+        try:
+            full = weight.redistribute(placements=[Replicate()]).to_local()
+            record["gathered"] = bool(torch.equal(full, torch.arange(64.0).reshape(8, 8)))
+        except RuntimeError as exc:
+            record["raised"] = str(exc).splitlines()[0][:200]
+    time.sleep(max(0.0, entered.get("t", 0.0) + AFTER["functional"] + 4 - time.perf_counter()))
+    gpc.destroy()
 
 
 def slow_cycle(config: dict, rank: int, record: dict, entered: dict[str, float]) -> dict:

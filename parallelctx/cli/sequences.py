@@ -164,7 +164,7 @@ def _first_difference(
         call = seqs[ref][first]
         head += f" is {call.entry['shown']} on ranks {_short(agreeing)} ({_site(call)})"
     else:
-        head += f" is not made on ranks {_short(agreeing)} (they made {len(common)} calls on it)"
+        head += f" is not made on ranks {_short(agreeing)} (they made {len(common)} call{'s' if len(common) != 1 else ''} on it)"
     parts = []
     for r in odd:
         own = keys[r]

@@ -14,8 +14,11 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
   (``ProcessGroup.send``/``recv``/``recv_anysource``, which ``send``, ``isend``, ``recv``,
   ``irecv`` and ``batch_isend_irecv`` call) are counted apart, per direction and peer, and
   reported with the peer (:meth:`HangWatch._report_p2p`). Torch's functional collectives
-  (``torch.distributed._functional_collectives``, used by DTensor) do not pass through these
-  methods and are not counted.
+  (``torch.distributed._functional_collectives``, DTensor's redistributions and their backward
+  passes), which reach the group in C++, are counted in the group's sequence as the
+  ``torch.distributed`` collective they match (:mod:`parallelctx.guard.funcol`); such a call
+  completes when its result is waited for (using it waits), so one whose result is never
+  waited for reads as pending (torch warns of those "unwaited collective calls" at exit).
 * **Watching, in one daemon thread** every ``after / 4`` seconds (0.05 s to 1 s): it posts this
   rank's progress (per group: the number of calls entered and the last call, worded as
   ``all_reduce(float32[4])``, and what every member must give alike in it where that is less)
@@ -54,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 from ..planning.layout import ParallelMode
+from .funcol import FunctionalCall, watch_functional
+from .ledger import tensor_words
 from .patch import Patches
 
 __all__ = ["OPS", "P2P_OPS", "HangReport", "HangWatch", "describe_call"]
@@ -231,25 +236,6 @@ def _ranks(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _tensor_text(value: Any, dims: str = "all") -> str | None:
-    """A tensor (or a list of them) worded as ``float32[4, 8]``; ``dims="rows"`` words the first
-    dimension as ``*`` (``float32[*, 8]``), ``dims="none"`` every one (``float32[...]``)."""
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        if dims == "none":
-            return f"{dtype}[...]"
-        shape = [str(d) for d in value.shape]
-        if dims == "rows" and shape:
-            shape[0] = "*"
-        return f"{dtype}[{', '.join(shape)}]"
-    if isinstance(value, (list, tuple)) and value:
-        inner = [t for t in (_tensor_text(v, dims) for v in value) if t is not None]
-        if inner:
-            same = all(t == inner[0] for t in inner)
-            return f"{len(inner)} x {inner[0]}" if same and len(inner) > 1 else ", ".join(inner)
-    return None
-
-
 _ROOTS: dict[str, str] = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
 """The ops that have a root -> torch's keyword for it."""
 
@@ -267,7 +253,7 @@ def _root_text(op: str, args: Sequence[Any], ranks: Sequence[int] | None) -> str
 
 
 def _worded(op: str, values: Sequence[Any], root: str | None, dims: str = "all") -> str:
-    texts = [t for t in (_tensor_text(v, dims) for v in values) if t is not None]
+    texts = [t for t in (tensor_words(v, dims) for v in values) if t is not None]
     return f"{op}({', '.join([*texts, *([root] if root else [])])})"
 
 
@@ -362,7 +348,7 @@ class _Slot:
             other = (
                 "any rank" if peer is None else f"rank {self.order[peer] if peer < len(self.order) else peer}"
             )
-            tensors = _tensor_text(call[2][0]) if call[2] else None
+            tensors = tensor_words(call[2][0]) if call[2] else None
             text = f"{call[1]}({tensors or ''} {'to' if call[1] == 'send' else 'from'} {other})"
             self.p2p_words = (call, text)
         return text
@@ -456,6 +442,26 @@ def _order(group: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(dist.get_process_group_ranks(group))
     except Exception:
         return ranks
+
+
+class _Waited:
+    """The ``Work`` of a functional collective, which torch keeps in C++: completed once one
+    of its results was waited for (``wait_tensor``, which using the result calls)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().data_ptr())
+    except Exception:
+        return -1
 
 
 def _pending(work: Any) -> bool:
@@ -600,6 +606,7 @@ class HangWatch:
             if group is not None and group not in self._slots and len(ranks) > 1:
                 self._slots[group] = _Slot(str(group.group_name), modes, cpu, ranks, _order(group, ranks))
         self._patches = Patches()
+        self._waits: dict[int, _Waited] = {}  # a functional collective's result storage -> its Work
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[HangReport] = []
@@ -613,6 +620,7 @@ class HangWatch:
         for name in P2P_OPS:
             if name in vars(pg):
                 self._patches.replace(pg, name, functools.partial(_wrap_p2p, name, slots=self._slots))
+        watch_functional(self._patches, self._functional, self._waited)
         self._thread = threading.Thread(target=self._run, name="parallelctx-hang-report", daemon=True)
         self._thread.start()
 
@@ -628,7 +636,34 @@ class HangWatch:
         if thread is None or not thread.is_alive():
             # the groups and the abort closure go now, not at the next garbage collection
             self._slots.clear()
+            self._waits.clear()
             self._aborter = None
+
+    def _functional(self, fc: FunctionalCall) -> None:
+        """Count a functional collective on a watched group (the calling thread, once the op
+        returned: it only enqueued the collective)."""
+        slot = self._slots.get(fc.group)
+        if slot is None:
+            return
+        calls = slot.calls
+        while calls and not _pending(calls[0][4]):
+            calls.popleft()
+        work = _Waited()
+        slot.count = count = slot.count + 1
+        slot.call = call = [count, fc.op, fc.args, time.monotonic(), work]
+        calls.append(call)
+        waits = self._waits
+        while len(waits) > 4096:  # results never waited for (torch warns of them at exit)
+            del waits[next(iter(waits))]
+        for tensor in fc.outputs:
+            waits[_storage(tensor)] = work
+
+    def _waited(self, tensor: torch.Tensor) -> None:
+        """A functional collective's result was waited for: its call completed."""
+        if self._waits:
+            work = self._waits.pop(_storage(tensor), None)
+            if work is not None:
+                work.done = True
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:

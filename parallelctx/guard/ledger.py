@@ -18,7 +18,7 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["P2P_KINDS", "WINDOW", "CallLedger", "describe", "p2p_async", "tensor_text"]
+__all__ = ["P2P_KINDS", "WINDOW", "CallLedger", "describe", "p2p_async", "tensor_text", "tensor_words"]
 
 WINDOW = 1000
 """Calls of one rank kept in full (folded runs count each call); later calls are only counted
@@ -37,12 +37,36 @@ _ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src
            "gather_object": "dst", "scatter_object_list": "src", "broadcast_object_list": "src"}  # fmt: skip
 
 
-def tensor_text(value: Any) -> str:
-    """Return ``float32[4, 8]`` for a tensor, ``?`` for anything else."""
+def tensor_words(value: Any, dims: str = "all") -> str | None:
+    """Word a tensor (anything with ``dtype`` and ``shape``) as ``float32[4, 8]``, a list of
+    them as ``3 x float32[4]`` (all alike) or ``float32[2], float32[3]``; ``dims="rows"`` words
+    the first dimension as ``*`` (``float32[*, 8]``), ``dims="none"`` every one
+    (``float32[...]``).
+
+    Returns:
+        The words, or None for a value that holds no tensor. Never raises.
+    """
     dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
-    if dtype is None or shape is None:
-        return "?"
-    return f"{str(dtype).removeprefix('torch.')}[{', '.join(str(int(s)) for s in shape)}]"
+    if dtype is not None and shape is not None:
+        name = str(dtype).removeprefix("torch.")
+        if dims == "none":
+            return f"{name}[...]"
+        sizes = [str(int(d)) for d in shape]
+        if dims == "rows" and sizes:
+            sizes[0] = "*"
+        return f"{name}[{', '.join(sizes)}]"
+    if isinstance(value, (list, tuple)) and value:
+        inner = [t for t in (tensor_words(v, dims) for v in value) if t is not None]
+        if inner:
+            same = all(t == inner[0] for t in inner)
+            return f"{len(inner)} x {inner[0]}" if same and len(inner) > 1 else ", ".join(inner)
+    return None
+
+
+def tensor_text(value: Any) -> str:
+    """Return ``float32[4, 8]`` for a tensor (``3 x float32[4]`` for a list of them), ``?`` for
+    anything else."""
+    return tensor_words(value) or "?"
 
 
 def _dtype(value: Any) -> str:

@@ -10,6 +10,7 @@ synchronization, call site), the collectives called, and the values the script r
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -62,7 +63,17 @@ or garbage to unpickle), and ``monitored_barrier`` refuses any backend but gloo.
 their output list as it was (``recv_object_list`` returns ``src``)."""
 
 _THIS_FILE = os.path.normcase(os.path.abspath(__file__)).removesuffix("c")
-_PATCH_FILE = os.path.join(os.path.dirname(_THIS_FILE), "patch.py")
+_OWN_FILES = tuple(
+    os.path.join(os.path.dirname(_THIS_FILE), f) for f in ("recorder.py", "patch.py", "funcol.py")
+)
+
+
+@functools.cache
+def _torch_dir() -> str:
+    """torch's package directory, ending in a separator."""
+    import torch
+
+    return os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__))) + os.sep
 
 
 @dataclass
@@ -179,12 +190,15 @@ class DryRun:
 
 
 def _call_site() -> str:
-    """``file:line`` of the nearest caller outside this module and torch.distributed."""
+    """``file:line`` of the nearest caller outside parallelctx's recorder and torch (a
+    DTensor's redistribution, or a functional collective's backward, is named by the user's
+    line that led to it: ``model(x)``, ``loss.backward()``)."""
     frame: FrameType | None = sys._getframe(2)
+    torch_dir = _torch_dir()
     while frame is not None:
         name = frame.f_code.co_filename
         here = os.path.normcase(os.path.abspath(name))
-        if here not in (_THIS_FILE, _PATCH_FILE) and "torch/distributed" not in name:
+        if here not in _OWN_FILES and not here.startswith(torch_dir):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
@@ -196,14 +210,18 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
     collectives of :data:`COLLECTIVES` (counted in ``dry.collectives``; the first of each kind
     logs that a dry run's results are not real), in ``patches`` (a new one when None). Code that
     looks the functions up on ``torch.distributed`` at call time (``dist.all_reduce``) is seen;
-    functional collectives (DTensor's) are not. The collectives of :data:`NOT_FORWARDED` are not
-    handed to torch at all.
+    torch's functional collectives (``torch.ops._c10d_functional``: ``funcol.*``, DTensor's
+    redistributions and their backward passes) are put in the ledger and counted under the
+    ``torch.distributed`` function they match (:mod:`parallelctx.guard.funcol`), as asynchronous
+    calls. The collectives of :data:`NOT_FORWARDED` are not handed to torch at all.
 
     Returns:
         A function that restores the originals (``patches.restore``).
     """
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
+
+    from .funcol import FunctionalCall, watch_functional
 
     patches = Patches() if patches is None else patches
 
@@ -272,7 +290,15 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
 
         return wrap
 
+    def functional(call: FunctionalCall) -> None:
+        if nested:
+            return
+        if dry.ledger is not None:
+            _note_call(dry.ledger, dry.sim.rank, call.op, {**call.given, "async_op": True}, _call_site())
+        dry.collectives[call.op] = dry.collectives.get(call.op, 0) + 1
+
     patches.replace(dist, "new_group", recording_new_group)
+    watch_functional(patches, functional)
     wrapped: dict[Any, Any] = {}
     for kind in COLLECTIVES:
         if getattr(dist, kind, None) is not None:

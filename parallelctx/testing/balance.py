@@ -14,8 +14,9 @@ gets a wrong number or hangs, with nothing pointing at the test that caused it.
   teardown), a call adds one to its group's counter: a dict lookup and an increment; outside
   the window a call passes straight through. Collectives are counted per kind; sends per
   destination, receives per source (or "any source"). torch's functional collectives
-  (``torch.distributed._functional_collectives``, DTensor's redistributions) do not call these
-  methods and are not counted.
+  (``torch.distributed._functional_collectives``, DTensor's redistributions and their backward
+  passes), which reach the group in C++, are counted as the ``torch.distributed`` collective
+  they match (:mod:`parallelctx.guard.funcol`).
 * **Comparing, in the controller** (:func:`unbalanced`). Each rank sends its counts with its
   result over the pool's control connection (no process group carries them, so the comparison
   itself is never counted). For every group of two ranks or more, keyed by torch's group name
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..guard.funcol import FunctionalCall, watch_functional
 from ..guard.hang import OPS as _HANG_OPS
 from ..guard.patch import Patches
 
@@ -164,6 +166,12 @@ def _wrap_collective(op: str, original: Callable[..., Any]) -> Callable[..., Any
     return collective
 
 
+def _count_functional(call: FunctionalCall) -> None:
+    counts = _counted(call.group)
+    if counts is not None:
+        counts.calls[call.op] = counts.calls.get(call.op, 0) + 1
+
+
 def _peer(args: Sequence[Any], kwargs: Mapping[str, Any], name: str) -> int:
     """The peer (a rank in the group) of ``send(tensors, dstRank, tag)`` or
     ``recv(tensors, srcRank, tag)``; ANY_SOURCE when it cannot be read."""
@@ -196,8 +204,8 @@ def _wrap_recv(original: Callable[..., Any], any_source: bool) -> Callable[..., 
 
 
 def install() -> None:
-    """Wrap the collective and point-to-point methods of ``torch.distributed.ProcessGroup`` for
-    counting, once for this process (a second call does nothing); a call counts only while a
+    """Wrap the collective and point-to-point methods of ``torch.distributed.ProcessGroup`` and
+    torch's functional collectives for counting, once for this process (a second call does nothing); a call counts only while a
     window is open (:func:`open_window`). Returns None."""
     if _PATCHES:
         return
@@ -211,6 +219,7 @@ def install() -> None:
         _PATCHES.replace(pg, "recv", functools.partial(_wrap_recv, any_source=False))
     if "recv_anysource" in vars(pg):
         _PATCHES.replace(pg, "recv_anysource", functools.partial(_wrap_recv, any_source=True))
+    watch_functional(_PATCHES, _count_functional)
 
 
 def open_window() -> None:

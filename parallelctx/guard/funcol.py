@@ -1,0 +1,212 @@
+"""Torch's functional collectives, made visible to the dry run, the hang report and the plugin.
+
+``torch.distributed._functional_collectives`` (``funcol.all_reduce``, ``all_gather_single``,
+...), DTensor's redistributions and the backward passes of both call the ops of the
+``torch.ops._c10d_functional`` namespace. Those ops reach the process group in C++: neither
+``torch.distributed``'s functions nor ``ProcessGroup``'s Python methods see them. Every Python
+caller looks the op up on the namespace at call time (``torch.ops._c10d_functional.all_reduce``),
+so :func:`watch_functional` replaces those attributes (in a
+:class:`~parallelctx.guard.patch.Patches`, restored with it) by callables that run the op and
+then hand a :class:`FunctionalCall` to the caller's ``seen``; the op's overloads
+(``.default``) stay reachable and are not watched.
+
+Not seen: code compiled by ``torch.compile`` (while Dynamo traces, the wrapper steps aside so
+the graph has the op itself), callers that hold an overload (``...all_reduce.default``) and C++
+callers (DTensor's ``shard_dim_alltoall`` on accelerators). Functional point-to-point ops
+(``isend``, ``irecv``, ``batch_p2p_ops``) are not watched.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, NamedTuple
+
+import torch
+
+from .patch import Patches
+
+__all__ = ["FUNCTIONAL_OPS", "FunctionalCall", "TensorShape", "describe_functional", "watch_functional"]
+
+FUNCTIONAL_OPS: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced": "all_reduce_coalesced",
+    "all_reduce_coalesced_": "all_reduce_coalesced",
+    "all_gather_into_tensor": "all_gather_into_tensor",
+    "all_gather_into_tensor_out": "all_gather_into_tensor",
+    "all_gather_into_tensor_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_out": "reduce_scatter_tensor",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor_coalesced",
+    "all_to_all_single": "all_to_all_single",
+    "broadcast": "broadcast",
+    "broadcast_": "broadcast",
+}
+"""``torch.ops._c10d_functional`` op -> the ``torch.distributed`` function that makes the same
+collective (a functional all-reduce and ``dist.all_reduce`` on one group match each other)."""
+
+
+@dataclass
+class FunctionalCall:
+    """One functional collective, as the op returned it.
+
+    Attributes:
+        op: the ``torch.distributed`` function it matches (:data:`FUNCTIONAL_OPS`).
+        group: the ``ProcessGroup`` it ran on.
+        given: its arguments under the names that function takes (``tensor``, ``op``,
+            ``input``/``output``, ``input_tensor``/``output_tensor``, split sizes,
+            ``group_src``), for the dry run's ledger.
+        args: its tensors' :class:`TensorShape` in the order of the ``ProcessGroup`` method
+            that function calls (a root as an object with ``rootRank``), for the hang report's
+            wording (which must not keep the tensors alive).
+        outputs: the tensors it returned (the functional op's results, to be waited for).
+    """
+
+    op: str
+    group: Any
+    given: dict[str, Any]
+    args: tuple[Any, ...]
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+def _arguments(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """``(input, reduce_op, src, output_splits, input_splits, group_name)`` of one op call."""
+    given = list(args)
+    value = given[0] if given else kwargs.get("input", kwargs.get("inputs"))
+    group = kwargs.get("group_name", given[-1] if given else None)
+    reduce_op = src = out_splits = in_splits = None
+    if name.startswith(("all_reduce", "reduce_scatter")):
+        reduce_op = given[1] if len(given) > 1 else kwargs.get("reduce_op")
+    elif name.startswith("broadcast"):
+        src = given[1] if len(given) > 1 else kwargs.get("src")
+    elif name == "all_to_all_single":
+        out_splits = given[1] if len(given) > 1 else kwargs.get("output_split_sizes")
+        in_splits = given[2] if len(given) > 2 else kwargs.get("input_split_sizes")
+    return value, reduce_op, src, out_splits, in_splits, group
+
+
+def describe_functional(
+    name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any
+) -> FunctionalCall:
+    """The :class:`FunctionalCall` of one call of the op ``name`` that returned ``result``.
+
+    Raises:
+        Exception: the group named by the call is not known to torch (the op itself would have
+            refused it first).
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    value, reduce_op, src, out_splits, in_splits, group = _arguments(name, args, kwargs)
+    if isinstance(group, str):
+        group = c10d._resolve_process_group(c10d.GroupName(group))
+    op = FUNCTIONAL_OPS[name]
+    outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+    out = outputs[0] if len(outputs) == 1 else outputs
+    given: dict[str, Any] = {"group": group}
+    pg_args: tuple[Any, ...]
+    if op in ("all_reduce", "all_reduce_coalesced"):
+        given.update(tensor=value, op=str(reduce_op or "sum").upper())
+        pg_args = (value if isinstance(value, list) else [value],)
+    elif op == "broadcast":
+        given.update(tensor=value, group_src=int(src or 0))
+        pg_args = ([value], SimpleNamespace(rootRank=int(src or 0)))
+    elif op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+        given.update(output_tensor=out, input_tensor=value)
+        pg_args = (out, value)
+    elif op in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+        given.update(output=out, input=value, op=str(reduce_op or "sum").upper())
+        pg_args = (out, value)
+    else:  # all_to_all_single
+        given.update(output=out, input=value, output_split_sizes=out_splits, input_split_sizes=in_splits)
+        pg_args = (out, value, list(out_splits or []), list(in_splits or []))
+    shapes = tuple(_shape_of(a) for a in pg_args)
+    return FunctionalCall(op, group, given, shapes, [t for t in outputs if isinstance(t, torch.Tensor)])
+
+
+class TensorShape(NamedTuple):
+    """A tensor's dtype and shape, kept instead of the tensor (which the caller may free)."""
+
+    dtype: Any
+    shape: tuple[int, ...]
+
+
+def _shape_of(value: Any) -> Any:
+    """``value`` with each tensor (in a list too) replaced by its :class:`TensorShape`."""
+    if isinstance(value, torch.Tensor):
+        return TensorShape(value.dtype, tuple(value.shape))
+    if isinstance(value, (list, tuple)):
+        return [_shape_of(v) for v in value]
+    return value
+
+
+class _Watched:
+    """An op of the namespace that hands each call to ``seen`` after running it."""
+
+    def __init__(self, name: str, packet: Any, seen: Callable[[FunctionalCall], None]) -> None:
+        self._name, self._packet, self._seen = name, packet, seen
+        self.__wrapped__ = packet
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._packet(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return result
+        try:
+            call = describe_functional(self._name, args, kwargs, result)
+        except Exception:  # a call the guard cannot read is left unseen, never failed
+            return result
+        self._seen(call)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._packet, name)
+
+    def __repr__(self) -> str:
+        return f"<parallelctx watch of {self._packet!r}>"
+
+
+class _Waiting:
+    """``wait_tensor``, telling ``waited`` the tensor it waited for once it returned."""
+
+    def __init__(self, packet: Any, waited: Callable[[torch.Tensor], None]) -> None:
+        self._packet, self._waited = packet, waited
+        self.__wrapped__ = packet
+
+    def __call__(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        result = self._packet(tensor, *args, **kwargs)
+        if isinstance(tensor, torch.Tensor) and not torch.compiler.is_compiling():
+            self._waited(tensor)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._packet, name)
+
+
+def _watched(name: str, packet: Any, seen: Callable[[FunctionalCall], None]) -> _Watched:
+    return _Watched(name, packet, seen)
+
+
+def watch_functional(
+    patches: Patches,
+    seen: Callable[[FunctionalCall], None],
+    waited: Callable[[torch.Tensor], None] | None = None,
+) -> None:
+    """Replace the collective ops of ``torch.ops._c10d_functional`` (:data:`FUNCTIONAL_OPS`,
+    those this torch has) in ``patches`` so that each call, once the op returned, is handed to
+    ``seen`` as a :class:`FunctionalCall`; with ``waited``, ``wait_tensor`` too, handing it each
+    tensor waited for. ``seen`` and ``waited`` run in the calling thread and must not raise.
+
+    Returns:
+        None. ``patches.restore()`` puts the ops back.
+    """
+    namespace = torch.ops._c10d_functional
+    for name in FUNCTIONAL_OPS:
+        try:
+            getattr(namespace, name)
+        except (AttributeError, RuntimeError):  # not in this torch
+            continue
+        patches.replace(namespace, name, functools.partial(_watched, name, seen=seen))
+    if waited is not None:
+        patches.replace(namespace, "wait_tensor", lambda packet: _Waiting(packet, waited))
