@@ -14,6 +14,9 @@
 3. A sweep of every rank of a ``--sweep-world`` job with the same script (target for 1,024: under
    120 s): wall time, and the CPU seconds per rank (user + system of the forked ranks), which a
    loaded machine does not inflate.
+4. The same sweep of ``benchmarks/dry_run_steps.py`` (a few hundred collectives and
+   point-to-point calls per rank), with the call ledger and its cross-rank checks on and with
+   ``--no-record-calls``, alternating, side by side: what recording the calls costs.
 
 ``--write-results`` writes the tables as the ``dry_run`` section of benchmarks/RESULTS.md.
 """
@@ -82,14 +85,16 @@ def memory(world: int) -> dict[str, int]:
     return {"world": world, **json.loads(proc.stdout.strip().splitlines()[-1])}
 
 
-def sweep(world: int, jobs: int | None) -> dict[str, float]:
+def sweep(
+    world: int, jobs: int | None, script: Path = SCRIPT, extra: tuple[str, ...] = ()
+) -> dict[str, float]:
     """Wall time and CPU seconds per rank of ``--ranks all`` over ``world`` ranks."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     begin = time.perf_counter()
     cmd = [sys.executable, "-m", "parallelctx", "dry-run", "--world-size", str(world), "--ranks", "all"]
     if jobs:
         cmd += ["--jobs", str(jobs)]
-    proc = subprocess.run([*cmd, str(SCRIPT)], capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run([*cmd, *extra, str(script)], capture_output=True, text=True, timeout=3600)
     wall = time.perf_counter() - begin
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -119,6 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     ranks = [one_rank(w, args.repeats) for w in worlds]
     mems = [memory(w) for w in worlds]
     swept = sweep(args.sweep_world, args.jobs)
+    steps = Path(__file__).with_name("dry_run_steps.py")
+    on, off = [], []
+    for _ in range(args.repeats):  # alternating, so that a change of load falls on both
+        off.append(sweep(args.sweep_world, args.jobs, steps, ("--no-record-calls",)))
+        on.append(sweep(args.sweep_world, args.jobs, steps))
     load = os.getloadavg()[0]
     lines = [
         "## Dry runs (`parallelctx dry-run`)",
@@ -146,7 +156,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{swept['wall_s']:.1f} s wall, {swept['cpu_per_rank_s']:.3f} CPU s per rank "
         f"(so about {swept['cpu_per_rank_s'] * swept['world'] / swept['jobs']:.0f} s on {swept['jobs']} idle cores); "
         f"checks {'passed' if swept['passed'] else 'FAILED'} (target: < 120 s).",
+        "",
+        f"Recording the calls: sweeps of all {args.sweep_world:,} ranks of `benchmarks/dry_run_steps.py` "
+        f"(300 calls per middle-stage rank), {args.repeats} rounds alternating; medians.",
+        "",
+        "| sweep | wall s | CPU s per rank | checks |",
+        "| --- | ---: | ---: | --- |",
     ]
+    for name, runs in (("`--no-record-calls`", off), ("calls recorded and checked", on)):
+        lines.append(
+            f"| {name} | {statistics.median(r['wall_s'] for r in runs):.1f} | "
+            f"{statistics.median(r['cpu_per_rank_s'] for r in runs):.3f} | "
+            f"{'passed' if all(r['passed'] for r in runs) else 'FAILED'} |"
+        )
+    ratio = statistics.median(r["cpu_per_rank_s"] for r in on) / statistics.median(
+        r["cpu_per_rank_s"] for r in off
+    )
+    lines += ["", f"CPU per rank, recorded / not recorded: {ratio:.2f}x."]
     text = "\n".join(lines)
     print(text)
     if args.write_results:

@@ -21,7 +21,7 @@ from parallelctx.cli.sequences import (
     check_point_to_point,
     check_wait_cycles,
 )
-from parallelctx.guard.ledger import CallLedger
+from parallelctx.guard.ledger import CallLedger, describe
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "examples" / "deadlocks"
@@ -270,6 +270,33 @@ def test_a_dtensor_model_s_functional_collectives_are_in_the_sweep() -> None:
     assert bug.stdout.count("tensor group [") == 2  # one finding per tensor group
     clean = sweep(8, "dtensor_log.py")
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+
+
+def test_the_ledger_and_the_hang_report_agree_on_which_shapes_may_differ() -> None:
+    # One policy (ledger.AGREED): the dry run compares what the hang report compares.
+    import torch
+
+    from parallelctx.guard.hang import _agreed_call
+
+    def agree(kind: str, **given: object) -> str:
+        return describe(kind, given, lambda r: 0 if r is None else r)[0]
+
+    rows = [torch.empty(n, 4) for n in (3, 5)]
+    # a gather's input must agree on every rank (the root's list is its own)
+    assert agree("gather", tensor=torch.ones(2), gather_list=[torch.ones(2)] * 2) == agree(
+        "gather", tensor=torch.ones(2)
+    )
+    assert agree("gather", tensor=torch.ones(2)) != agree("gather", tensor=torch.ones(3))
+    assert _agreed_call("gather", ([], [torch.ones(2)])) != _agreed_call("gather", ([], [torch.ones(3)]))
+    # all_to_all_single with splits: rows per rank, the rest alike
+    a, b = ({"output": r, "input": r, "input_split_sizes": [1, 2]} for r in rows)
+    assert agree("all_to_all_single", **a) == agree("all_to_all_single", **b)
+    assert agree("all_to_all_single", **a) != agree(
+        "all_to_all_single", output=torch.empty(3, 2), input=torch.empty(3, 2), input_split_sizes=[1, 2]
+    )
+    assert _agreed_call("all_to_all_single", (rows[0], rows[0], [1, 2], [2, 1])) == _agreed_call(
+        "all_to_all_single", (rows[1], rows[1], [2, 3], [4, 1])
+    )
 
 
 def test_an_isend_then_a_blocking_recv_on_both_ranks_is_no_cycle() -> None:

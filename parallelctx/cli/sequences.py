@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["check_calls", "check_group_sequences", "check_point_to_point", "check_wait_cycles"]
 
@@ -34,8 +33,7 @@ _P2P = {"send": "send", "isend": "send", "send_object_list": "send",
         "recv": "recv", "irecv": "recv", "recv_object_list": "recv"}  # fmt: skip
 
 
-@dataclass(frozen=True)
-class _Call:
+class _Call(NamedTuple):
     """One call of one rank, unfolded: its entry and its position among the rank's calls on the
     same stream (a group's collectives, or its sends to / receives from one peer)."""
 
@@ -52,6 +50,10 @@ class _Call:
         return not self.entry.get("async", False)
 
 
+Calls = dict[int, list[_Call]]
+"""Each swept rank's kept calls, unfolded (:func:`_calls`)."""
+
+
 def _short(ranks: list[int], limit: int = 12) -> str:
     if len(ranks) <= limit:
         return "[" + ", ".join(map(str, ranks)) + "]"
@@ -61,11 +63,16 @@ def _short(ranks: list[int], limit: int = 12) -> str:
 def _unfold(rank: int, ledger: Mapping[str, Any], world: int) -> list[_Call]:
     """The rank's kept calls in order, each with its stream and position on it."""
     groups = ledger.get("groups", {})
+    keys: dict[str, tuple[int, ...]] = {}  # a group's key -> its members, made once per group
     seen: Counter[tuple[Any, ...]] = Counter()
     out: list[_Call] = []
     for entry in ledger.get("entries", []):
-        members = groups.get(entry["group"])
-        members_key = tuple(members) if members is not None else tuple(range(world))
+        members_key = keys.get(entry["group"])
+        if members_key is None:
+            members = groups.get(entry["group"])
+            members_key = keys[entry["group"]] = (
+                tuple(members) if members is not None else tuple(range(world))
+            )
         direction = _P2P.get(entry["kind"])
         if direction is None:
             stream: tuple[Any, ...] = ("group", members_key)
@@ -79,7 +86,7 @@ def _unfold(rank: int, ledger: Mapping[str, Any], world: int) -> list[_Call]:
     return out
 
 
-def _calls(reports: Reports) -> dict[int, list[_Call]]:
+def _calls(reports: Reports) -> Calls:
     out = {}
     for rank, rep in reports.items():
         ledger = rep.get("calls")
@@ -117,10 +124,11 @@ def _site(call: _Call) -> str:
     return str(call.entry.get("where", "?"))
 
 
-def check_group_sequences(reports: Reports) -> list[str]:
+def check_group_sequences(reports: Reports, calls: Calls | None = None) -> list[str]:
     """The members of each group made the same collectives on it, in the same order; returns a
-    message per group whose swept members differ (the first difference)."""
-    calls = _calls(reports)
+    message per group whose swept members differ (the first difference). ``calls``: the
+    reports' calls unfolded once for several checks (:func:`check_calls`)."""
+    calls = _calls(reports) if calls is None else calls
     world = max((int(rep.get("world_size", 0)) for rep in reports.values()), default=0)
     by_group: dict[tuple[int, ...], dict[int, list[_Call]]] = {}
     for rank, own in calls.items():
@@ -250,11 +258,11 @@ def _beyond_window(members: tuple[int, ...], swept: list[int], reports: Reports,
     ]
 
 
-def check_point_to_point(reports: Reports) -> list[str]:
+def check_point_to_point(reports: Reports, calls: Calls | None = None) -> list[str]:
     """Every send between two swept ranks has its receive, with the same shape, dtype and tag,
     and every receive its send (a receive from any source takes any send left over); returns a
-    message per pair that does not match."""
-    calls = _calls(reports)
+    message per pair that does not match. ``calls`` as for :func:`check_group_sequences`."""
+    calls = _calls(reports) if calls is None else calls
     sends: dict[tuple[int, int], list[_Call]] = {}
     recvs: dict[tuple[int, int], list[_Call]] = {}
     spare: dict[int, int] = {}
@@ -357,7 +365,7 @@ def _coords(rank: int, reports: Reports) -> str:
     return ", ".join(shown) if shown else f"rank {rank}"
 
 
-def check_wait_cycles(reports: Reports) -> list[str]:
+def check_wait_cycles(reports: Reports, calls: Calls | None = None) -> list[str]:
     """Play the swept ranks' calls as the real job would progress and name every set of ranks
     left waiting on each other in a cycle (each rank, the call it waits in, its group and call
     site, and the rank it waits for); an order that only serialises is no finding.
@@ -366,8 +374,9 @@ def check_wait_cycles(reports: Reports) -> list[str]:
     with ``async_op=True``) does not block its rank, but it is posted where the rank made it: a
     blocking send completes once its receive is posted (blocking or not), a blocking receive
     once its send is, a blocking collective once every swept member has posted it. Messages
-    between two ranks match in order; the ``wait()`` on an asynchronous call is not recorded."""
-    calls = _calls(reports)
+    between two ranks match in order; the ``wait()`` on an asynchronous call is not recorded.
+    ``calls`` as for :func:`check_group_sequences`."""
+    calls = _calls(reports) if calls is None else calls
     if not calls:
         return []
     world = max(int(rep.get("world_size", 0)) for rep in reports.values())
@@ -537,4 +546,9 @@ def _cycles_of(waits: dict[int, list[int]]) -> list[list[int]]:
 def check_calls(reports: Reports) -> list[str]:
     """Run the three checks of the calls; returns every message (empty: they passed, or no
     report recorded its calls)."""
-    return [*check_group_sequences(reports), *check_point_to_point(reports), *check_wait_cycles(reports)]
+    calls = _calls(reports)
+    return [
+        *check_group_sequences(reports, calls),
+        *check_point_to_point(reports, calls),
+        *check_wait_cycles(reports, calls),
+    ]

@@ -58,7 +58,7 @@ import torch.distributed as dist
 
 from ..planning.layout import ParallelMode
 from .funcol import FunctionalCall, watch_functional
-from .ledger import tensor_words
+from .ledger import agreed_dims, tensor_words
 from .patch import Patches
 
 __all__ = ["OPS", "P2P_OPS", "HangReport", "HangWatch", "describe_call"]
@@ -273,35 +273,31 @@ def describe_call(op: str, args: Sequence[Any], ranks: Sequence[int] | None = No
         return f"{op}()"
 
 
+_PG_TENSOR: dict[str, int] = {"all_reduce": 0, "broadcast": 0, "reduce": 0, "all_gather_into_tensor": 1,
+                               "reduce_scatter_tensor": 1, "all_to_all_single": 1, "all_to_all": 1,
+                               "gather": 1, "scatter": 0, "all_gather": 0, "reduce_scatter": 1}  # fmt: skip
+"""The op -> where the ``ProcessGroup`` method takes the tensor of :data:`~parallelctx.guard.ledger.AGREED_TENSOR`."""
+
+
 def _agreed_call(op: str, args: Sequence[Any], ranks: Sequence[int] | None = None) -> str:
     """What every member of the group must give alike in this call, worded as
-    :func:`describe_call` words the call: the op, the root and the shapes and dtypes, less
-    those a rank may choose alone. Two members whose calls at the same count differ here
-    entered different calls; calls that differ only in what is left out are the same call.
-
-    Left out: ``all_to_all_single`` with split sizes, the first dimension of both tensors
-    (``float32[*, 8]``); ``all_to_all``, every tensor's shape (``float32[...]``); ``gather``,
-    the root's output list (only the root has one); ``scatter``, the root's input list;
-    ``all_gather`` (list form), the input, which is this rank's entry of the output list (an
-    uneven all-gather's output list is the same on every rank, its input is not);
-    ``reduce_scatter`` (list form), the output, likewise. Other calls: the whole wording.
+    :func:`describe_call` words the call: the op, the root and the tensor and as much of its
+    shape as :data:`parallelctx.guard.ledger.AGREED` (the dry run's policy too) says every
+    member must give alike. Two members whose calls at the same count differ here entered
+    different calls; calls that differ only in what is left out are the same call. ``args``
+    are those of the ``ProcessGroup`` method.
 
     Returns:
         The wording. Never raises.
     """
     try:
         root = _root_text(op, args, ranks)
-        if op == "all_to_all_single" and len(args) >= 4 and (args[2] or args[3]):
-            return _worded(op, args[:2], root, dims="rows")
-        if op == "all_to_all":
-            return _worded(op, args, root, dims="none")
-        if op in ("gather", "all_gather") and len(args) >= 2:
-            keep = args[1] if op == "gather" else args[0]
-            return _worded(op, [keep], root)
-        if op in ("scatter", "reduce_scatter") and len(args) >= 2:
-            keep = args[0] if op == "scatter" else args[1]
-            return _worded(op, [keep], root)
-        return _worded(op, args, root)
+        index = _PG_TENSOR.get(op)
+        split = op == "all_to_all_single" and len(args) >= 4 and bool(args[2] or args[3])
+        dims = agreed_dims(op, split)
+        if dims is None or index is None or len(args) <= index:
+            return _worded(op, args, root)
+        return _worded(op, [args[index]], root, dims)
     except Exception:  # a describing error must never hide the report
         return f"{op}()"
 

@@ -18,7 +18,18 @@ import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["P2P_KINDS", "WINDOW", "CallLedger", "describe", "p2p_async", "tensor_text", "tensor_words"]
+__all__ = [
+    "AGREED",
+    "AGREED_TENSOR",
+    "P2P_KINDS",
+    "WINDOW",
+    "CallLedger",
+    "agreed_dims",
+    "describe",
+    "p2p_async",
+    "tensor_text",
+    "tensor_words",
+]
 
 WINDOW = 1000
 """Calls of one rank kept in full (folded runs count each call); later calls are only counted
@@ -29,10 +40,60 @@ P2P_KINDS = {"send": "send", "isend": "send", "send_object_list": "send",
 """The point-to-point calls and their direction."""
 
 _ASYNC_P2P = {"isend", "irecv"}
-# Kinds whose tensor's shape must be the same on every member (the others allow shapes that
-# differ by rank: all_to_all_single's splits, a gather's or scatter's list on the root only,
-# an uneven all_gather's list is compared as a whole instead).
-_SAME_SHAPE = {"all_reduce", "broadcast", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor"}
+AGREED: dict[str, str] = {
+    "all_reduce": "all",
+    "broadcast": "all",
+    "reduce": "all",
+    "all_gather_into_tensor": "all",
+    "reduce_scatter_tensor": "all",
+    "all_to_all_single": "rows",
+    "all_to_all": "none",
+    "gather": "all",
+    "scatter": "all",
+    "all_gather": "all",
+    "reduce_scatter": "all",
+}
+"""How much of a collective's tensor every member must give alike (``tensor_words``'s ``dims``:
+``all`` its dtype and shape, ``rows`` all but the first dimension, ``none`` its dtype only),
+and which tensor (:data:`AGREED_TENSOR`): the one policy of the dry run's ledger and the hang
+report. A rank may choose alone: ``all_to_all_single``'s split sizes (with splits given; the
+first dimension), ``all_to_all``'s per-pair shapes, a ``gather``'s output list and a
+``scatter``'s input list (the root's alone), an uneven ``all_gather``'s input and an uneven
+``reduce_scatter``'s output (each rank's entry of the list every rank gives alike)."""
+
+AGREED_TENSOR: dict[str, str] = {
+    "all_reduce": "tensor",
+    "broadcast": "tensor",
+    "reduce": "tensor",
+    "all_gather_into_tensor": "input",
+    "reduce_scatter_tensor": "input",
+    "all_to_all_single": "input",
+    "all_to_all": "inputs",
+    "gather": "input",
+    "scatter": "output",
+    "all_gather": "outputs",
+    "reduce_scatter": "inputs",
+}
+"""Which of a collective's tensors :data:`AGREED` is about (``inputs``/``outputs``: a list)."""
+
+_ARGUMENT = {
+    "tensor": "tensor",
+    "input": "input",
+    "output": "output",
+    "inputs": "input_list",
+    "outputs": "tensor_list",
+}
+_ARGUMENT_OF = {"all_gather_into_tensor": "input_tensor", "all_to_all": "input_tensor_list", "gather": "tensor",
+                "scatter": "tensor"}  # fmt: skip
+
+
+def agreed_dims(kind: str, split: bool) -> str | None:
+    """:data:`AGREED`'s rule for ``kind`` (None: the whole call must agree); ``split``: an
+    ``all_to_all_single`` given split sizes (without them every member's shape must agree)."""
+    dims = AGREED.get(kind)
+    return "all" if dims == "rows" and not split else dims
+
+
 _ROOTED = {"broadcast": "src", "reduce": "dst", "gather": "dst", "scatter": "src",
            "gather_object": "dst", "scatter_object_list": "src", "broadcast_object_list": "src"}  # fmt: skip
 
@@ -69,10 +130,6 @@ def tensor_text(value: Any) -> str:
     return tensor_words(value) or "?"
 
 
-def _dtype(value: Any) -> str:
-    return str(getattr(value, "dtype", "?")).removeprefix("torch.")
-
-
 def _op(value: Any) -> str:
     if value is None:
         return "SUM"
@@ -87,22 +144,21 @@ def describe(kind: str, given: Mapping[str, Any], group_rank: Any) -> tuple[str,
     """
     parts: list[str] = [kind]
     main = given.get("tensor", given.get("input_tensor", given.get("input", given.get("output"))))
+    if main is None:
+        main = (given.get("input_tensor_list") or [None])[0]
     shown = tensor_text(main) if main is not None else ""
-    if kind in _SAME_SHAPE:
-        parts.append(shown)
-    elif kind == "all_gather":
-        outs = given.get("tensor_list") or []
-        shapes = [tensor_text(t) for t in outs]
-        parts.append("[" + ", ".join(shapes) + "]")
+    split = bool(given.get("output_split_sizes") or given.get("input_split_sizes"))
+    dims = agreed_dims(kind, split)
+    if dims is not None:
+        role = AGREED_TENSOR[kind]
+        value = given.get(_ARGUMENT_OF.get(kind, _ARGUMENT[role]))
+        parts.append(tensor_words(value, dims) or "?")
+    if kind == "all_gather":  # the rank's input is its own entry of the list
+        shapes = [tensor_text(t) for t in given.get("tensor_list") or []]
         mine = group_rank(None)
         parts.append(
             "own slot" if mine is not None and mine < len(shapes) and shapes[mine] == shown else "other"
         )
-    elif kind in ("all_to_all_single", "all_to_all", "reduce_scatter", "gather", "scatter"):
-        first = main if main is not None else (given.get("input_tensor_list") or [None])[0]
-        parts.append(_dtype(first))
-        if not shown and first is not None:
-            shown = tensor_text(first)
     if kind in ("all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
         op = _op(given.get("op"))
         parts.append(op)

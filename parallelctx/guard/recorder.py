@@ -68,6 +68,18 @@ _OWN_FILES = tuple(
 )
 
 
+@functools.lru_cache(maxsize=64)
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """``inspect.signature(fn)``, once per function (torch's collectives, wrapped once)."""
+    return inspect.signature(fn)
+
+
+@functools.lru_cache(maxsize=4096)
+def _absolute(name: str) -> str:
+    """``name`` (a code object's file name) made absolute and case-normalised, once per name."""
+    return os.path.normcase(os.path.abspath(name))
+
+
 @functools.cache
 def _torch_dir() -> str:
     """torch's package directory, ending in a separator."""
@@ -197,7 +209,7 @@ def _call_site() -> str:
     torch_dir = _torch_dir()
     while frame is not None:
         name = frame.f_code.co_filename
-        here = os.path.normcase(os.path.abspath(name))
+        here = _absolute(name)
         if here not in _OWN_FILES and not here.startswith(torch_dir):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
@@ -342,7 +354,7 @@ def _even_gather(fn: Callable[..., Any], args: Any, kwargs: Any) -> tuple[Any, A
     copies the rank's tensor into every output and fails on another shape: handed outputs shaped
     like the rank's tensor instead (the list the script gave is left as it was)."""
     try:
-        bound = inspect.signature(fn).bind(*args, **kwargs)
+        bound = _signature(fn).bind(*args, **kwargs)
     except TypeError:
         return args, kwargs
     outs, mine = bound.arguments.get("tensor_list"), bound.arguments.get("tensor")
@@ -366,7 +378,7 @@ def _returning(value: Any) -> Callable[[Any], Any]:
 def _from_any(fn: Callable[..., Any], args: Any, kwargs: Any) -> bool:
     """True for a ``recv`` call given neither ``src`` nor ``group_src``."""
     try:
-        given = inspect.signature(fn).bind(*args, **kwargs).arguments
+        given = _signature(fn).bind(*args, **kwargs).arguments
     except TypeError:
         return False
     return given.get("src") is None and given.get("group_src") is None
@@ -378,7 +390,7 @@ def _recv_from_any(fn: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     (the rank itself in a group of one)."""
     import torch.distributed as dist
 
-    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound = _signature(fn).bind(*args, **kwargs)
     group = bound.arguments.get("group")
     ranks = _members(group)
     ranks = list(range(dist.get_world_size())) if ranks is None else ranks
