@@ -443,6 +443,27 @@ def test_a_pipeline_stage_that_skips_a_recv_is_named_with_the_pair(tmp_path: Pat
     assert f"its last calls on this group: send(float32[4, 8] to rank {skipper['next']})" in text, text
 
 
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_a_torch_pipelining_stage_that_stops_early_is_named_by_both_neighbours(tmp_path: Path) -> None:
+    proc = run_torchrun(4, ["tests/torchrun_pipelining_hang.py", str(tmp_path)], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json"))}
+    assert sorted(rows) == [0, 1, 2, 3] and rows[2].get("stopped"), rows
+    assert all(rows[r].get("step0") for r in (0, 1, 3)), rows  # the first step ran everywhere
+    # ScheduleGPipe's point-to-point calls: stage 1 waits to send stage 2 an activation, stage 3
+    # to receive one from it; both name stage 2's rank as the one that never made the call.
+    (before,) = rows[1]["reports"]
+    (after,) = rows[3]["reports"]
+    assert (before["op"], before["peer"], before["missing"]) == ("send", 2, [2]), before
+    assert (after["op"], after["peer"], after["missing"]) == ("recv", 2, [2]), after
+    assert "rank 2 (pipeline stage 2) never received it" in before["text"], before["text"]
+    assert "rank 2 (pipeline stage 2) never sent it" in after["text"], after["text"]
+    for report in (before, after):
+        assert report["after_entry_s"] < 2.0 + 5.0, report
+    assert rows[2]["reports"] == []
+
+
 def test_a_receive_that_waits_names_the_skipped_receive_one_stage_up() -> None:
     # The report's wording for the other side: this rank waits in a receive from rank 4, which
     # never sent, because rank 4 skipped a receive from rank 2 (as on a backend whose sends

@@ -377,6 +377,10 @@ def _returning(value: Any) -> Callable[[Any], Any]:
 
 def _from_any(fn: Callable[..., Any], args: Any, kwargs: Any) -> bool:
     """True for a ``recv`` call given neither ``src`` nor ``group_src``."""
+    if kwargs.get("src") is not None or kwargs.get("group_src") is not None:
+        return False
+    if len(args) > 1 and args[1] is not None:  # recv(tensor, src, ...)
+        return False
     try:
         given = _signature(fn).bind(*args, **kwargs).arguments
     except TypeError:
