@@ -74,9 +74,10 @@ def worker(steps: int, rounds: int, numel: int, out: str | None) -> None:
             Path(out).write_text(json.dumps(result, indent=1))
 
 
-def solo(calls: int, rounds: int, numel: int) -> dict[str, float]:
+def solo(calls: int, rounds: int, numel: int, functional: bool = False) -> dict[str, float]:
     """The counting's own cost per call, without the noise of 8 processes: one process, a gloo
-    world of one, ``dist.all_reduce`` timed with the group unwatched and watched (a
+    world of one, ``dist.all_reduce`` (``functional``: torch's functional all-reduce and its
+    wait, as DTensor makes it) timed with the group unwatched and watched (a
     :class:`~parallelctx.hang.HangWatch` over it, as a launch makes), in alternating rounds.
 
     Returns:
@@ -87,6 +88,7 @@ def solo(calls: int, rounds: int, numel: int) -> dict[str, float]:
 
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
 
     from parallelctx import ParallelMode
     from parallelctx.hang import HangWatch
@@ -111,8 +113,12 @@ def solo(calls: int, rounds: int, numel: int) -> dict[str, float]:
                         )
                         watch.start()
                     start = time.perf_counter()
-                    for _ in range(calls):
-                        dist.all_reduce(x)
+                    if functional:
+                        for _ in range(calls):
+                            funcol.all_reduce(x, "sum", group).wait()
+                    else:
+                        for _ in range(calls):
+                            dist.all_reduce(x)
                     times[label].append((time.perf_counter() - start) / calls)
                     if watch is not None:
                         watch.stop()
@@ -137,12 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.steps, args.rounds, args.numel, args.json)
         return 0
     one = solo(5000, 9, args.numel)
-    print(
-        f"one process, world of one: all_reduce {one['off_us']:.1f} us unwatched, {one['on_us']:.1f} us "
-        f"watched: the counting costs {one['cost_us']:.2f} us per call"
-    )
+    fun = solo(5000, 9, args.numel, functional=True)
+    for name, got in (("all_reduce", one), ("functional all_reduce + wait", fun)):
+        print(
+            f"one process, world of one: {name} {got['off_us']:.1f} us unwatched, {got['on_us']:.1f} us "
+            f"watched: the counting costs {got['cost_us']:.2f} us per call"
+        )
     if args.json:
-        Path(args.json).with_suffix(".solo.json").write_text(json.dumps(one, indent=1))
+        Path(args.json).with_suffix(".solo.json").write_text(json.dumps({**one, "functional": fun}, indent=1))
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(args.nproc), "-m", "benchmarks.hang_report"]
     cmd += ["--worker", "--steps", str(args.steps), "--rounds", str(args.rounds), "--numel", str(args.numel)]

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
@@ -28,7 +27,7 @@ import torch
 
 from .patch import Patches
 
-__all__ = ["FUNCTIONAL_OPS", "FunctionalCall", "TensorShape", "describe_functional", "watch_functional"]
+__all__ = ["FUNCTIONAL_OPS", "FunctionalCall", "TensorShape", "watch_functional"]
 
 FUNCTIONAL_OPS: dict[str, str] = {
     "all_reduce": "all_reduce",
@@ -49,34 +48,76 @@ FUNCTIONAL_OPS: dict[str, str] = {
 collective (a functional all-reduce and ``dist.all_reduce`` on one group match each other)."""
 
 
-@dataclass
 class FunctionalCall:
-    """One functional collective, as the op returned it.
+    """One functional collective, as the op returned it. Its group is read at once; what the
+    consumers word is made only when asked (:meth:`given`, :meth:`shapes`), so a call on a
+    group nobody watches costs a lookup.
 
     Attributes:
         op: the ``torch.distributed`` function it matches (:data:`FUNCTIONAL_OPS`).
         group: the ``ProcessGroup`` it ran on.
-        given: its arguments under the names that function takes (``tensor``, ``op``,
-            ``input``/``output``, ``input_tensor``/``output_tensor``, split sizes,
-            ``group_src``), for the dry run's ledger.
-        args: its tensors' :class:`TensorShape` in the order of the ``ProcessGroup`` method
-            that function calls (a root as an object with ``rootRank``), for the hang report's
-            wording (which must not keep the tensors alive).
         outputs: the tensors it returned (the functional op's results, to be waited for).
     """
 
-    op: str
-    group: Any
-    given: dict[str, Any]
-    args: tuple[Any, ...]
-    outputs: list[torch.Tensor] = field(default_factory=list)
+    __slots__ = ("_args", "_kwargs", "_name", "group", "op", "outputs")
+
+    def __init__(self, name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any) -> None:
+        """Read the call of the op ``name`` (``args``, ``kwargs``) that returned ``result``.
+
+        Raises:
+            Exception: the group named by the call is not known to torch (the op itself would
+                have refused it first).
+        """
+        import torch.distributed.distributed_c10d as c10d
+
+        self._name, self._args, self._kwargs = name, args, kwargs
+        self.op = FUNCTIONAL_OPS[name]
+        group = kwargs.get("group_name", args[-1] if args else None)
+        self.group = c10d._resolve_process_group(c10d.GroupName(group)) if isinstance(group, str) else group
+        outputs = list(result) if isinstance(result, (list, tuple)) else [result]
+        self.outputs: list[torch.Tensor] = [t for t in outputs if isinstance(t, torch.Tensor)]
+
+    def _parts(self) -> tuple[dict[str, Any], tuple[Any, ...]]:
+        value, reduce_op, src, out_splits, in_splits = _arguments(self._name, self._args, self._kwargs)
+        outs = self.outputs
+        out: Any = outs[0] if len(outs) == 1 else outs
+        op = self.op
+        given: dict[str, Any] = {"group": self.group}
+        pg_args: tuple[Any, ...]
+        if op in ("all_reduce", "all_reduce_coalesced"):
+            given.update(tensor=value, op=str(reduce_op or "sum").upper())
+            pg_args = (value if isinstance(value, list) else [value],)
+        elif op == "broadcast":
+            given.update(tensor=value, group_src=int(src or 0))
+            pg_args = ([value], SimpleNamespace(rootRank=int(src or 0)))
+        elif op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
+            given.update(output_tensor=out, input_tensor=value)
+            pg_args = (out, value)
+        elif op in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
+            given.update(output=out, input=value, op=str(reduce_op or "sum").upper())
+            pg_args = (out, value)
+        else:  # all_to_all_single
+            given.update(output=out, input=value, output_split_sizes=out_splits, input_split_sizes=in_splits)
+            pg_args = (out, value, list(out_splits or []), list(in_splits or []))
+        return given, pg_args
+
+    def given(self) -> dict[str, Any]:
+        """Its arguments under the names the matching ``torch.distributed`` function takes
+        (``tensor``, ``op``, ``input``/``output``, ``input_tensor``/``output_tensor``, split
+        sizes, ``group_src``, ``group``), for the dry run's ledger."""
+        return self._parts()[0]
+
+    def shapes(self) -> tuple[Any, ...]:
+        """Its tensors' :class:`TensorShape` in the order of the ``ProcessGroup`` method the
+        matching function calls (a root as an object with ``rootRank``), for the hang report's
+        wording, which must not keep the tensors alive."""
+        return tuple(_shape_of(a) for a in self._parts()[1])
 
 
 def _arguments(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
-    """``(input, reduce_op, src, output_splits, input_splits, group_name)`` of one op call."""
+    """``(input, reduce_op, src, output_splits, input_splits)`` of one op call."""
     given = list(args)
     value = given[0] if given else kwargs.get("input", kwargs.get("inputs"))
-    group = kwargs.get("group_name", given[-1] if given else None)
     reduce_op = src = out_splits = in_splits = None
     if name.startswith(("all_reduce", "reduce_scatter")):
         reduce_op = given[1] if len(given) > 1 else kwargs.get("reduce_op")
@@ -85,45 +126,7 @@ def _arguments(name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> t
     elif name == "all_to_all_single":
         out_splits = given[1] if len(given) > 1 else kwargs.get("output_split_sizes")
         in_splits = given[2] if len(given) > 2 else kwargs.get("input_split_sizes")
-    return value, reduce_op, src, out_splits, in_splits, group
-
-
-def describe_functional(
-    name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any
-) -> FunctionalCall:
-    """The :class:`FunctionalCall` of one call of the op ``name`` that returned ``result``.
-
-    Raises:
-        Exception: the group named by the call is not known to torch (the op itself would have
-            refused it first).
-    """
-    import torch.distributed.distributed_c10d as c10d
-
-    value, reduce_op, src, out_splits, in_splits, group = _arguments(name, args, kwargs)
-    if isinstance(group, str):
-        group = c10d._resolve_process_group(c10d.GroupName(group))
-    op = FUNCTIONAL_OPS[name]
-    outputs = list(result) if isinstance(result, (list, tuple)) else [result]
-    out = outputs[0] if len(outputs) == 1 else outputs
-    given: dict[str, Any] = {"group": group}
-    pg_args: tuple[Any, ...]
-    if op in ("all_reduce", "all_reduce_coalesced"):
-        given.update(tensor=value, op=str(reduce_op or "sum").upper())
-        pg_args = (value if isinstance(value, list) else [value],)
-    elif op == "broadcast":
-        given.update(tensor=value, group_src=int(src or 0))
-        pg_args = ([value], SimpleNamespace(rootRank=int(src or 0)))
-    elif op in ("all_gather_into_tensor", "all_gather_into_tensor_coalesced"):
-        given.update(output_tensor=out, input_tensor=value)
-        pg_args = (out, value)
-    elif op in ("reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"):
-        given.update(output=out, input=value, op=str(reduce_op or "sum").upper())
-        pg_args = (out, value)
-    else:  # all_to_all_single
-        given.update(output=out, input=value, output_split_sizes=out_splits, input_split_sizes=in_splits)
-        pg_args = (out, value, list(out_splits or []), list(in_splits or []))
-    shapes = tuple(_shape_of(a) for a in pg_args)
-    return FunctionalCall(op, group, given, shapes, [t for t in outputs if isinstance(t, torch.Tensor)])
+    return value, reduce_op, src, out_splits, in_splits
 
 
 class TensorShape(NamedTuple):
@@ -154,7 +157,7 @@ class _Watched:
         if torch.compiler.is_compiling():
             return result
         try:
-            call = describe_functional(self._name, args, kwargs, result)
+            call = FunctionalCall(self._name, args, kwargs, result)
         except Exception:  # a call the guard cannot read is left unseen, never failed
             return result
         self._seen(call)

@@ -646,7 +646,7 @@ class HangWatch:
             calls.popleft()
         work = _Waited()
         slot.count = count = slot.count + 1
-        slot.call = call = [count, fc.op, fc.args, time.monotonic(), work]
+        slot.call = call = [count, fc.op, fc.shapes(), time.monotonic(), work]
         calls.append(call)
         waits = self._waits
         while len(waits) > 4096:  # results never waited for (torch warns of them at exit)

@@ -306,7 +306,7 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
         if nested:
             return
         if dry.ledger is not None:
-            _note_call(dry.ledger, dry.sim.rank, call.op, {**call.given, "async_op": True}, _call_site())
+            _note_call(dry.ledger, dry.sim.rank, call.op, {**call.given(), "async_op": True}, _call_site())
         dry.collectives[call.op] = dry.collectives.get(call.op, 0) + 1
 
     patches.replace(dist, "new_group", recording_new_group)
