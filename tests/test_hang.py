@@ -393,6 +393,11 @@ def test_a_dtensor_gather_that_one_rank_never_makes_is_named_with_functional_cal
     for row in rows:  # the functional and the torch.distributed all-reduce give the same sums
         pair = (1, 2) if row["rank"] < 2 else (3, 4)
         assert row["sums"] == [[float(sum(pair))] * 4] * 2, row
+        # On a loaded machine the first call on a fresh gloo group (it connects then) can take
+        # longer than `after`: reported as slow ("every rank entered it"), never as missing.
+        slow = [r for r in row["reports"] if not r["missing"] and not r["mismatched"]]
+        assert all(r["count"] == 1 and "it is slow, not missing" in r["text"] for r in slow), slow
+        row["reports"] = [r for r in row["reports"] if r not in slow]
     (report,) = rows[1]["reports"]
     assert (report["mode"], report["op"], report["count"], report["missing"]) == (
         "tensor",

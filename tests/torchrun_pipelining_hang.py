@@ -42,6 +42,9 @@ def write() -> None:
 
 
 def on_hang(report) -> None:  # type: ignore[no-untyped-def]
+    if not report.missing:  # slow, not hung (a loaded machine's first call on a fresh group)
+        row.setdefault("slow", []).append(str(report))
+        return
     fields = dataclasses.asdict(report)
     fields.pop("aborter", None)
     fields["mode"] = report.mode.value
