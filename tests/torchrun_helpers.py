@@ -51,3 +51,19 @@ def relaunch_rows(out: Path, nproc: int, cycles: int, *extra: str, timeout: floa
     rows = sorted((json.loads(p.read_text()) for p in out.glob("rank-*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == list(range(nproc)), proc.stdout[-3000:]
     return rows
+
+
+def hang_report_row(report: Any, entered: float) -> dict[str, Any]:
+    """A :class:`parallelctx.HangReport` as a JSON-ready dict for a scenario's output: its
+    fields (modes by name), its text, and the seconds from ``entered`` (a ``time.monotonic()``
+    taken as the rank entered the call) to now."""
+    import dataclasses
+    import time
+
+    fields = dataclasses.asdict(report)
+    fields.pop("aborter", None)
+    fields["mode"] = report.mode.value
+    fields["modes"] = [m.value for m in report.modes]
+    fields["text"] = str(report)
+    fields["after_entry_s"] = time.monotonic() - entered
+    return fields

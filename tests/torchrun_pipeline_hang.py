@@ -11,7 +11,6 @@ rank's place, its pipeline neighbours and the reports.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torchrun_helpers import hang_report_row
 
 from parallelctx import ParallelMode, gpc, launch_from_torch
 
@@ -40,13 +40,7 @@ def write() -> None:
 
 
 def on_hang(report) -> None:  # type: ignore[no-untyped-def]
-    fields = dataclasses.asdict(report)
-    fields.pop("aborter", None)
-    fields["mode"] = report.mode.value
-    fields["modes"] = [m.value for m in report.modes]
-    fields["text"] = str(report)
-    fields["after_entry_s"] = time.monotonic() - entered[-1]
-    row["reports"].append(fields)
+    row["reports"].append(hang_report_row(report, entered[-1]))
     write()
     os._exit(0)  # the hung rank ends here; its pending receive never completes
 

@@ -10,7 +10,6 @@ process. Writes OUT/rank-<R>.json: the rank's stage, its pipeline neighbours and
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torchrun_helpers import hang_report_row
 
 from parallelctx import ParallelMode, gpc, launch_from_torch
 
@@ -45,13 +45,7 @@ def on_hang(report) -> None:  # type: ignore[no-untyped-def]
     if not report.missing:  # slow, not hung (a loaded machine's first call on a fresh group)
         row.setdefault("slow", []).append(str(report))
         return
-    fields = dataclasses.asdict(report)
-    fields.pop("aborter", None)
-    fields["mode"] = report.mode.value
-    fields["modes"] = [m.value for m in report.modes]
-    fields["text"] = str(report)
-    fields["after_entry_s"] = time.monotonic() - entered[-1]
-    row["reports"].append(fields)
+    row["reports"].append(hang_report_row(report, entered[-1]))
     write()
     os._exit(0)  # the hung rank ends here
 
