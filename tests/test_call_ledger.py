@@ -195,12 +195,15 @@ def test_a_difference_after_the_window_is_still_found() -> None:
 
 # ---------------------------------------------------------------- sweeps of the user's scripts
 @pytest.mark.sweeps
-def test_a_32_rank_sweep_names_the_cycle_and_passes_the_serialising_swap() -> None:
-    bad = sweep(32, "swapped_groups.py", "--bug", "cycle")
+@pytest.mark.parametrize("functional", [False, True], ids=["dist", "functional"])
+def test_a_32_rank_sweep_names_the_cycle_and_passes_the_serialising_swap(functional: bool) -> None:
+    # functional: torch's functional all-reduce, waited for at once, blocks as dist.all_reduce does
+    how = ("--functional",) if functional else ()
+    bad = sweep(32, "swapped_groups.py", "--bug", "cycle", *how)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "wait cycle of ranks [0, 1, 4, 5]" in bad.stdout, bad.stdout
-    assert site("swapped_groups.py", "dist.all_reduce") in bad.stdout
-    for args in (("--bug", "serialise"), ()):
+    assert site("swapped_groups.py", "funcol.all_reduce" if functional else "dist.all_reduce") in bad.stdout
+    for args in (("--bug", "serialise", *how), how):
         good = sweep(32, "swapped_groups.py", *args)
         assert good.returncode == 0 and "all checks passed" in good.stdout, good.stdout + good.stderr
 
@@ -259,12 +262,14 @@ def two_ranks(calls: dict[int, list[dict]]) -> dict[int, dict]:
 
 def test_a_dtensor_model_s_functional_collectives_are_in_the_sweep() -> None:
     # DTensor's forward, backward and full_tensor() reach the group through torch's functional
-    # collectives; a gather that only tensor rank 0 makes is named with the user's line.
+    # collectives, parallelize_module's distribute_tensor through the scatters and broadcasts
+    # DTensor imported by name (4 of the 5 calls before); a gather that only tensor rank 0
+    # makes is named with the user's line.
     bug = sweep(8, "dtensor_log.py", "--bug")
     assert bug.returncode == 1, bug.stdout[-3000:] + bug.stderr[-3000:]
     assert (
-        "tensor group [4, 5, 6, 7] (pipeline stage 1): call 2 is not made on ranks [5, 6, 7] (they "
-        "made 1 call on it); rank 4 made all_gather_into_tensor(float32[4, 8]) in "
+        "tensor group [4, 5, 6, 7] (pipeline stage 1): call 6 is not made on ranks [5, 6, 7] (they "
+        "made 5 calls on it); rank 4 made all_gather_into_tensor(float32[4, 8]) in "
         f"addition here ({site('dtensor_log.py', 'full_tensor().norm')})"
     ) in bug.stdout, bug.stdout[-3000:]
     assert bug.stdout.count("tensor group [") == 2  # one finding per tensor group

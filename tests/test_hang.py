@@ -214,7 +214,9 @@ def test_the_watch_counts_calls_posts_progress_and_names_the_missing(tmp_path: P
         dist.destroy_process_group()
 
 
-def test_the_watch_counts_functional_collectives_until_their_result_is_waited_for(tmp_path: Path) -> None:
+def test_the_watch_counts_functional_collectives_and_holds_them_pending_only_while_waited_for(
+    tmp_path: Path,
+) -> None:
     import torch.distributed._functional_collectives as funcol
 
     store = dist.FileStore(str(tmp_path / "store"), 1)
@@ -232,14 +234,23 @@ def test_the_watch_counts_functional_collectives_until_their_result_is_waited_fo
             slot = watch._slots[group]
             assert slot.count == 2 and slot.call is not None
             assert slot.worded(slot.call)[0] == "all_reduce(float32[4])"
-            assert slot.oldest_pending() is slot.call  # enqueued, not yet waited for
-            assert result.wait().tolist() == [1.0] * 4
+            assert slot.oldest_pending() is None  # enqueued; this rank does not wait for it yet
+            watch._waiting(result.elem, True)  # as wait_tensor does when the wait starts
+            assert slot.oldest_pending() is slot.call
+            watch._waiting(result.elem, False)
             assert slot.oldest_pending() is None
+            assert result.wait().tolist() == [1.0] * 4
             gathered = funcol.all_gather_single(torch.ones(2, 3), 0, group)
             assert slot.worded(slot.call)[0] == "all_gather_into_tensor(float32[2, 3], float32[2, 3])"
-            assert slot.count == 3 and slot.oldest_pending() is slot.call
             assert (gathered + 1).sum().item() == 12.0  # using the result waits for it
-            assert slot.oldest_pending() is None
+            halves = torch.ones(8)  # two in-place reduces of one storage, waited at once
+            first = torch.ops._c10d_functional.all_reduce_(halves[:4], "sum", group.group_name)
+            torch.ops._c10d_functional.all_reduce_(halves[4:], "sum", group.group_name)
+            funcol.wait_tensor(first)
+            assert slot.count == 5 and slot.oldest_pending() is None and not watch._waits
+            # the namespace's ops stand for the ops themselves (Inductor keys its lowerings by them)
+            watched = torch.ops._c10d_functional.all_reduce
+            assert isinstance(watched, torch._ops.OpOverloadPacket) and watched.default is packet.default
         finally:
             watch.stop()
         assert torch.ops._c10d_functional.all_reduce is packet  # the op is put back

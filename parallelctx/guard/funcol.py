@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -145,61 +145,79 @@ def _shape_of(value: Any) -> Any:
     return value
 
 
-class _Watched:
-    """An op of the namespace that hands each call to ``seen`` after running it."""
+def _copy(cls: type[_P], packet: Any) -> _P:
+    """An object of ``cls`` (an ``OpOverloadPacket`` subclass) standing for ``packet``: the same
+    state and the same overload objects (``.default`` is ``packet.default``), so that code that
+    takes the namespace's attribute for the packet (Inductor's lowerings, Dynamo, ``is``
+    checks on overloads) finds the same op."""
+    for overload in packet.overloads():
+        getattr(packet, overload)  # made once on the packet, then shared by the copy
+    copy = object.__new__(cls)
+    copy.__dict__.update(vars(packet))
+    return copy
 
-    def __init__(self, name: str, packet: Any, seen: Callable[[FunctionalCall], None]) -> None:
-        self._name, self._packet, self._seen = name, packet, seen
-        self.__wrapped__ = packet
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._packet(*args, **kwargs)
+_P = TypeVar("_P", bound="torch._ops.OpOverloadPacket")
+
+
+class _Watched(torch._ops.OpOverloadPacket):
+    """A collective op of the namespace that hands each call to ``seen`` once it returned."""
+
+    _fc_name: str
+    _fc_seen: Callable[[FunctionalCall], None]
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        result = self._op(*args, **kwargs)
         if torch.compiler.is_compiling():
             return result
         try:
-            call = FunctionalCall(self._name, args, kwargs, result)
+            call = FunctionalCall(self._fc_name, args, kwargs, result)
         except Exception:  # a call the guard cannot read is left unseen, never failed
             return result
-        self._seen(call)
+        self._fc_seen(call)
         return result
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._packet, name)
 
-    def __repr__(self) -> str:
-        return f"<parallelctx watch of {self._packet!r}>"
+class _Waiting(torch._ops.OpOverloadPacket):
+    """``wait_tensor``, telling ``waiting(tensor, True)`` as it starts to wait and
+    ``waiting(tensor, False)`` once the wait returned (or raised)."""
 
+    _fc_waiting: Callable[[torch.Tensor, bool], None]
 
-class _Waiting:
-    """``wait_tensor``, telling ``waited`` the tensor it waited for once it returned."""
-
-    def __init__(self, packet: Any, waited: Callable[[torch.Tensor], None]) -> None:
-        self._packet, self._waited = packet, waited
-        self.__wrapped__ = packet
-
-    def __call__(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        result = self._packet(tensor, *args, **kwargs)
-        if isinstance(tensor, torch.Tensor) and not torch.compiler.is_compiling():
-            self._waited(tensor)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._packet, name)
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
+        tensor = args[0] if args else kwargs.get("tensor")
+        if not isinstance(tensor, torch.Tensor) or torch.compiler.is_compiling():
+            return self._op(*args, **kwargs)
+        self._fc_waiting(tensor, True)
+        try:
+            return self._op(*args, **kwargs)
+        finally:
+            self._fc_waiting(tensor, False)
 
 
 def _watched(name: str, packet: Any, seen: Callable[[FunctionalCall], None]) -> _Watched:
-    return _Watched(name, packet, seen)
+    watched = _copy(_Watched, packet)
+    watched._fc_name, watched._fc_seen = name, seen
+    return watched
+
+
+def _waiting(packet: Any, waiting: Callable[[torch.Tensor, bool], None]) -> _Waiting:
+    wrapper = _copy(_Waiting, packet)
+    wrapper._fc_waiting = waiting
+    return wrapper
 
 
 def watch_functional(
     patches: Patches,
     seen: Callable[[FunctionalCall], None],
-    waited: Callable[[torch.Tensor], None] | None = None,
+    waiting: Callable[[torch.Tensor, bool], None] | None = None,
 ) -> None:
     """Replace the collective ops of ``torch.ops._c10d_functional`` (:data:`FUNCTIONAL_OPS`,
     those this torch has) in ``patches`` so that each call, once the op returned, is handed to
-    ``seen`` as a :class:`FunctionalCall`; with ``waited``, ``wait_tensor`` too, handing it each
-    tensor waited for. ``seen`` and ``waited`` run in the calling thread and must not raise.
+    ``seen`` as a :class:`FunctionalCall`; with ``waiting``, ``wait_tensor`` too, calling
+    ``waiting(tensor, True)`` as a wait for ``tensor`` starts and ``waiting(tensor, False)`` as
+    it ends. The replacements are ``OpOverloadPacket`` objects with the ops' own overloads. ``seen``
+    and ``waiting`` run in the calling thread and must not raise.
 
     Returns:
         None. ``patches.restore()`` puts the ops back.
@@ -211,5 +229,5 @@ def watch_functional(
         except (AttributeError, RuntimeError):  # not in this torch
             continue
         patches.replace(namespace, name, functools.partial(_watched, name, seen=seen))
-    if waited is not None:
-        patches.replace(namespace, "wait_tensor", lambda packet: _Waiting(packet, waited))
+    if waiting is not None:
+        patches.replace(namespace, "wait_tensor", functools.partial(_waiting, waiting=waiting))

@@ -17,8 +17,9 @@ CPU twin groups have nothing). With ``dist.hang_report=dict(after=SECONDS)`` a l
   (``torch.distributed._functional_collectives``, DTensor's redistributions and their backward
   passes), which reach the group in C++, are counted in the group's sequence as the
   ``torch.distributed`` collective they match (:mod:`parallelctx.guard.funcol`); such a call
-  completes when its result is waited for (using it waits), so one whose result is never
-  waited for reads as pending (torch warns of those "unwaited collective calls" at exit).
+  is pending only while its rank waits for its result (``wait_tensor``, which using the result
+  calls), from the moment the wait began: a result waited for late (an overlap), or never, is
+  no hang.
 * **Watching, in one daemon thread** every ``after / 4`` seconds (0.05 s to 1 s): it posts this
   rank's progress (per group: the number of calls entered and the last call, worded as
   ``all_reduce(float32[4])``, and what every member must give alike in it where that is less)
@@ -441,16 +442,18 @@ def _order(group: Any, ranks: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Waited:
-    """The ``Work`` of a functional collective, which torch keeps in C++: completed once one
-    of its results was waited for (``wait_tensor``, which using the result calls)."""
+    """The ``Work`` of a functional collective, which torch keeps in C++. Such a call counts as
+    pending only while its rank waits for it (``wait_tensor``, which using the result calls):
+    a result waited for late, or never, is no hang of this rank."""
 
-    __slots__ = ("done",)
+    __slots__ = ("call", "slot", "waiting")
 
-    def __init__(self) -> None:
-        self.done = False
+    def __init__(self, slot: _Slot, call: list[Any]) -> None:
+        self.slot, self.call = slot, call
+        self.waiting = False
 
     def is_completed(self) -> bool:
-        return self.done
+        return not self.waiting
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -602,7 +605,7 @@ class HangWatch:
             if group is not None and group not in self._slots and len(ranks) > 1:
                 self._slots[group] = _Slot(str(group.group_name), modes, cpu, ranks, _order(group, ranks))
         self._patches = Patches()
-        self._waits: dict[int, _Waited] = {}  # a functional collective's result storage -> its Work
+        self._waits: dict[int, list[_Waited]] = {}  # a functional result's storage -> its calls
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.reports: list[HangReport] = []
@@ -616,7 +619,7 @@ class HangWatch:
         for name in P2P_OPS:
             if name in vars(pg):
                 self._patches.replace(pg, name, functools.partial(_wrap_p2p, name, slots=self._slots))
-        watch_functional(self._patches, self._functional, self._waited)
+        watch_functional(self._patches, self._functional, self._waiting)
         self._thread = threading.Thread(target=self._run, name="parallelctx-hang-report", daemon=True)
         self._thread.start()
 
@@ -637,31 +640,38 @@ class HangWatch:
 
     def _functional(self, fc: FunctionalCall) -> None:
         """Count a functional collective on a watched group (the calling thread, once the op
-        returned: it only enqueued the collective)."""
+        returned: it only enqueued the collective). It joins the group's pending calls when its
+        rank starts to wait for it (:meth:`_waiting`)."""
         slot = self._slots.get(fc.group)
         if slot is None:
             return
-        calls = slot.calls
-        while calls and not _pending(calls[0][4]):
-            calls.popleft()
-        work = _Waited()
         slot.count = count = slot.count + 1
-        slot.call = call = [count, fc.op, fc.shapes(), time.monotonic(), work]
-        calls.append(call)
+        call: list[Any] = [count, fc.op, fc.shapes(), time.monotonic(), None]
+        call[4] = work = _Waited(slot, call)
+        slot.call = call
         waits = self._waits
         while len(waits) > 4096:  # results never waited for (torch warns of them at exit)
             del waits[next(iter(waits))]
         for tensor in fc.outputs:
-            waits[_storage(tensor)] = work
+            waits.setdefault(_storage(tensor), []).append(work)
 
-    def _waited(self, tensor: torch.Tensor) -> None:
-        """A functional collective's result was waited for: its call completed."""
-        if self._waits:
-            work = self._waits.pop(_storage(tensor), None)
-            if work is not None:
-                work.done = True
+    def _waiting(self, tensor: torch.Tensor, start: bool) -> None:
+        """This rank starts (``start``) or ends a wait for a functional collective's result:
+        its calls on that storage are pending while it waits, from the moment it began."""
+        if not self._waits:
+            return
+        key = _storage(tensor)
+        if start:
+            now = time.monotonic()
+            for work in self._waits.get(key, ()):
+                work.waiting = True
+                work.call[3] = now
+                work.slot.calls.append(work.call)
+            return
+        for work in self._waits.pop(key, ()):
+            work.waiting = False
 
-    # ------------------------------------------------------------------ the thread
+    # ------------------------------------------------------------------ the thread    # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         posted: dict[str, Any] | None = None
         while not self._stop.wait(self.tick):

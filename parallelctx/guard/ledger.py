@@ -185,6 +185,7 @@ class CallLedger:
         self._hashes: dict[str, Any] = {}
         self.groups: dict[str, list[int] | None] = {"world": None}
         self._keys: dict[int, tuple[Any, str]] = {}
+        self._held: dict[str, Any] | None = None
 
     def group_key(self, group: Any, members_of: Callable[[Any], Sequence[int] | None]) -> str:
         """Return the report's name of ``group`` (``"world"`` for the default group, else
@@ -202,10 +203,29 @@ class CallLedger:
         self._keys[id(group)] = (group, key)  # the group kept alive: its id is not reused
         return key
 
+    def hold(self, entry: dict[str, Any]) -> None:
+        """Keep an asynchronous call (a functional collective) back until it is known whether
+        its rank waits for it at once: :meth:`release` notes it, blocking when the rank's next
+        step was its wait; any other call noted first notes it as asynchronous. Returns None."""
+        self.release(blocking=False)
+        self._held = entry
+
+    def release(self, blocking: bool) -> None:
+        """Note the call :meth:`hold` kept back, if any (``blocking``: its rank waited for it
+        before anything else, so it blocks as a synchronous call would). Returns None."""
+        entry, self._held = self._held, None
+        if entry is not None:
+            if blocking:
+                entry.pop("async", None)
+            self.note(entry)
+
     def note(self, entry: dict[str, Any]) -> None:
         """Record one call: ``entry`` holds ``kind``, ``group`` (a :meth:`group_key`),
         ``agree``, ``shown``, ``where``, ``async`` and, for a point-to-point call, ``peer`` (a
-        global rank; None: any source) and ``tag``. Returns None."""
+        global rank; None: any source) and ``tag``. A call held back (:meth:`hold`) is noted
+        first, as asynchronous. Returns None."""
+        if self._held is not None:
+            self.release(blocking=False)
         direction = P2P_KINDS.get(entry["kind"])
         stream = entry["group"] if direction is None else f"{direction} {entry.get('peer')}"
         self.counts[stream] = self.counts.get(stream, 0) + 1
@@ -225,7 +245,8 @@ class CallLedger:
     def to_json(self) -> dict[str, Any]:
         """Return the ledger as a JSON-ready dict: ``entries`` (each with ``n`` when it stands
         for several identical calls), ``groups`` {key: members, ``world``: None}, ``counts`` and
-        ``digests`` per stream, ``kept`` and ``window``."""
+        ``digests`` per stream, ``kept`` and ``window``. A call held back is noted first."""
+        self.release(blocking=False)
         return {
             "entries": [dict(e) for e in self.entries],
             "groups": dict(self.groups),

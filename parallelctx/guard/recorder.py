@@ -302,22 +302,53 @@ def install_recorders(dry: DryRun, patches: Patches | None = None) -> Callable[[
 
         return wrap
 
+    held: set[int] = set()  # the storages of the results of the functional call held back
+
     def functional(call: FunctionalCall) -> None:
         if nested:
             return
         if dry.ledger is not None:
-            _note_call(dry.ledger, dry.sim.rank, call.op, {**call.given(), "async_op": True}, _call_site())
+            given = {**call.given(), "async_op": True}
+            _note_call(dry.ledger, dry.sim.rank, call.op, given, _call_site(), hold=True)
+            held.clear()
+            held.update(t.untyped_storage().data_ptr() for t in call.outputs)
         dry.collectives[call.op] = dry.collectives.get(call.op, 0) + 1
 
+    def waiting(tensor: Any, start: bool) -> None:
+        # a functional call waited for before anything else blocks its rank, as DTensor's do
+        if start and dry.ledger is not None and held and tensor.untyped_storage().data_ptr() in held:
+            held.clear()
+            dry.ledger.release(blocking=True)
+
     patches.replace(dist, "new_group", recording_new_group)
-    watch_functional(patches, functional)
+    watch_functional(patches, functional, waiting)
     wrapped: dict[Any, Any] = {}
     for kind in COLLECTIVES:
         if getattr(dist, kind, None) is not None:
             original = getattr(dist, kind)
             wrapped[original] = patches.replace(dist, kind, counting(kind))
     _accept_wrapped_p2p(c10d, patches, wrapped)
+    _rebind_imported(patches, wrapped)
     return patches.restore
+
+
+def _rebind_imported(patches: Patches, wrapped: Mapping[Any, Any]) -> None:
+    """Point the modules of ``torch.distributed`` that hold a collective by name at its wrapper
+    too: those that imported it before the dry run (DTensor's ``distribute_tensor`` calls
+    ``scatter`` and ``broadcast`` that way) and ``distributed_c10d`` itself, from which a module
+    imported later takes it (a collective torch calls inside a recorded one is not counted
+    again)."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("torch.distributed."):
+            continue
+        try:
+            found = [
+                (attr, value) for attr, value in vars(module).items() if callable(value) and value in wrapped
+            ]
+        except Exception:  # a module whose namespace cannot be read (a lazy stub)
+            continue
+        for attr, value in found:
+            patches.replace(module, attr, _returning(wrapped[value]))
 
 
 def _accept_wrapped_p2p(c10d: Any, patches: Patches, wrapped: Mapping[Any, Any]) -> None:
@@ -416,9 +447,12 @@ def _members(group: Any) -> list[int] | None:
     return list(dist.get_process_group_ranks(group))
 
 
-def _note_call(ledger: CallLedger, rank: int, kind: str, given: Mapping[str, Any], where: str) -> None:
+def _note_call(
+    ledger: CallLedger, rank: int, kind: str, given: Mapping[str, Any], where: str, hold: bool = False
+) -> None:
     """Put one call of ``kind`` (its bound arguments ``given``) made by global ``rank`` into
-    ``ledger``; a ``batch_isend_irecv`` is put in as its operations."""
+    ``ledger`` (``hold``: held back, :meth:`CallLedger.hold`); a ``batch_isend_irecv`` is put in
+    as its operations."""
     if kind == "batch_isend_irecv":
         for op in given.get("p2p_op_list") or []:
             name = getattr(getattr(op, "op", None), "__name__", "isend")
@@ -459,4 +493,7 @@ def _note_call(ledger: CallLedger, rank: int, kind: str, given: Mapping[str, Any
         entry["agree"], entry["shown"] = describe(kind, given, group_rank)
         if given.get("async_op"):
             entry["async"] = True
-    ledger.note(entry)
+    if hold:
+        ledger.hold(entry)
+    else:
+        ledger.note(entry)
