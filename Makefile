@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.parallelctx-installed
 PIP    := $(BIN)/python -m pip install -q --disable-pip-version-check -c requirements/constraints.txt
 
-.PHONY: demo test test-bench test-faults test-launchers test-sweeps test-engines venv-engines test-installs venv-mcore019 test-megatron-next bench-megatron-next test-megatron-upstream lint bench bench-plugin venv clean
+.PHONY: demo test test-slow test-bench test-faults test-launchers test-sweeps test-engines venv-engines test-installs venv-mcore019 test-megatron-next bench-megatron-next test-megatron-upstream lint bench bench-plugin venv clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,11 @@ demo: $(STAMP)
 	$(BIN)/python -m parallelctx dry-run --world-size 16384 --rank 12345 --quiet examples/dry_run/train.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps and not engines and not installs and not bench" -q
+	$(BIN)/python -m pytest -m "not launchers and not faults and not sweeps and not engines and not installs and not bench and not slow" -q
+
+# the multi-process checks of a quarter minute or more each (torchrun runs, nested pytest sessions)
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow -q
 
 test-faults: $(STAMP)
 	$(BIN)/python -m pytest -m faults -q

@@ -260,6 +260,7 @@ def two_ranks(calls: dict[int, list[dict]]) -> dict[int, dict]:
     return {rank: report(rank, 2, own, {"world": None}) for rank, own in calls.items()}
 
 
+@pytest.mark.sweeps
 def test_a_dtensor_model_s_functional_collectives_are_in_the_sweep() -> None:
     # DTensor's forward, backward and full_tensor() reach the group through torch's functional
     # collectives, parallelize_module's distribute_tensor through the scatters and broadcasts

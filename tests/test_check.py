@@ -103,6 +103,7 @@ def _torchrun(args: list[str], timeout: int = 240) -> subprocess.CompletedProces
     return run_torchrun(8, args, timeout)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_under_torchrun_json() -> None:
     proc = _torchrun(
@@ -136,6 +137,7 @@ def test_check_under_torchrun_json() -> None:
     assert "[5/5] all-reduce in 2 model group(s) of 4" in proc.stderr  # progress on rank 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_check_fails_on_a_tampered_group(tmp_path) -> None:
     proc = _torchrun(

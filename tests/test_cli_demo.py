@@ -88,6 +88,7 @@ def test_module_entry_point() -> None:
     assert json.loads(out.stdout)["tensor"] == [[0, 1], [2, 3]]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_under_torchrun() -> None:
     argv = [

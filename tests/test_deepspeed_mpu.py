@@ -44,6 +44,7 @@ def _members(group: object) -> list[int]:
         dict(tensor=2, pipeline=2, context=2, order="cp-tp-dp-pp"),
     ],
 )
+@pytest.mark.slow
 def test_every_getter_answers_from_gpcs_groups() -> None:
     unit = mpu()
     for family, mode in FAMILIES.items():

@@ -253,6 +253,7 @@ def test_sweep_reports_a_rank_that_fails_and_its_output(tmp_path: Path) -> None:
     assert "rank 0 failed" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_sweep_kills_and_names_every_rank_that_hangs(tmp_path: Path) -> None:
     # Ten hanging ranks at once: ten kills in one sweep, each named, and the others still pass.
     script = _script(
@@ -455,6 +456,7 @@ def test_plugin_simulate_default_ranks_find_bugs_on_interior_ranks(pytester: pyt
     assert any(f"rank {r} skipped new_group([0, 1])" in text for r in expert_2), text
 
 
+@pytest.mark.slow
 def test_the_dry_run_benchmark_runs_once_at_a_tiny_size() -> None:
     """benchmarks.dry_run cannot rot; its timings decide nothing."""
     cmd = [

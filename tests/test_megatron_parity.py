@@ -471,6 +471,7 @@ def _migration_worker(out_dir: str) -> None:
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(answers))
 
 
+@pytest.mark.slow
 def test_migration_table_against_megatron_getters_4_ranks(tmp_path: Any) -> None:
     import json
     from pathlib import Path

@@ -274,6 +274,7 @@ def _doc_table() -> dict[str, dict[str, str]]:
 AXIS_MODE = {"tp": M.TENSOR, "cp": M.CONTEXT, "dp": M.DATA, "pp": M.PIPELINE, "ep": M.EXPERT}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_seed_table_holds_on_8_ranks(tmp_path: Path) -> None:
     table = _doc_table()
@@ -305,6 +306,7 @@ def test_seed_table_holds_on_8_ranks(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- real torchrun
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_streams_and_checkpoint_under_torchrun(tmp_path: Path) -> None:
     # the acceptance run: 4 ranks (tensor 2, pipeline 2) started by real torchrun

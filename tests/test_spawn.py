@@ -114,6 +114,7 @@ def test_spawn_names_the_rank_that_died() -> None:
     assert info.value.rank == 1
 
 
+@pytest.mark.slow
 def test_spawn_join_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="join_timeout=15"):

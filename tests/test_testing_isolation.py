@@ -155,6 +155,7 @@ def _outcomes(result: pytest.RunResult) -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow
 def test_poisoned_state_never_reaches_the_next_test_in_either_order(suite: pytest.Pytester) -> None:
     forward = suite.runpytest("-p", "no:cacheprovider", "-v", "test_a_poison.py", "test_b_check.py")
     forward.assert_outcomes(passed=4)
@@ -163,6 +164,7 @@ def test_poisoned_state_never_reaches_the_next_test_in_either_order(suite: pytes
     assert _outcomes(forward) == _outcomes(backward)
 
 
+@pytest.mark.slow
 def test_pytest_acts_on_every_rank_and_reports_the_root_cause(suite: pytest.Pytester) -> None:
     suite.makepyfile(test_c_features=FEATURES)
     result = suite.runpytest("-p", "no:cacheprovider", "-v", "-rs", "test_c_features.py")
@@ -190,6 +192,7 @@ def test_pytest_acts_on_every_rank_and_reports_the_root_cause(suite: pytest.Pyte
     assert not re.search(r"_{20} ranks? [013]\b", report), report
 
 
+@pytest.mark.slow
 def test_xdist_two_workers_k_and_last_failed(suite: pytest.Pytester) -> None:
     pytest.importorskip("xdist")
     suite.makepyfile(

@@ -39,6 +39,7 @@ def _durations(xml: Path) -> dict[str, float]:
     return {case.get("name"): float(case.get("time")) for case in ET.parse(xml).iter("testcase")}
 
 
+@pytest.mark.slow
 def test_pass_parametrize_fixtures_layouts_skip_xfail(pytester: pytest.Pytester) -> None:
     pytester.makeconftest("""
 import parallelctx

@@ -75,6 +75,7 @@ def project(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytes
     return pytester
 
 
+@pytest.mark.slow
 def test_threads_thread_pools_session_fixtures_sets_and_skip_plus_failure(project: pytest.Pytester) -> None:
     xml = project.path / "report.xml"
     result = project.runpytest_subprocess(
@@ -197,6 +198,7 @@ def test_a_failure_keeps_coverage_too():
     assert not list(Path(pytester.path).glob(".coverage.*")), "the ranks' data files were combined"
 
 
+@pytest.mark.slow
 def test_pytest_timeout_marker_is_the_tests_timeout_with_rank_stacks(pytester: pytest.Pytester) -> None:
     pytest.importorskip("pytest_timeout")
     pytester.makepyfile(
