@@ -664,9 +664,10 @@ class HangWatch:
         if start:
             now = time.monotonic()
             for work in self._waits.get(key, ()):
-                work.waiting = True
-                work.call[3] = now
-                work.slot.calls.append(work.call)
+                if not work.waiting:  # a second thread waiting for it adds nothing
+                    work.waiting = True
+                    work.call[3] = now
+                    work.slot.calls.append(work.call)
             return
         for work in self._waits.pop(key, ()):
             work.waiting = False

@@ -76,15 +76,11 @@ AGREED_TENSOR: dict[str, str] = {
 }
 """Which of a collective's tensors :data:`AGREED` is about (``inputs``/``outputs``: a list)."""
 
-_ARGUMENT = {
-    "tensor": "tensor",
-    "input": "input",
-    "output": "output",
-    "inputs": "input_list",
-    "outputs": "tensor_list",
-}
-_ARGUMENT_OF = {"all_gather_into_tensor": "input_tensor", "all_to_all": "input_tensor_list", "gather": "tensor",
-                "scatter": "tensor"}  # fmt: skip
+_DIST_ARGUMENT = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor",
+                  "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input",
+                  "all_to_all_single": "input", "all_to_all": "input_tensor_list", "gather": "tensor",
+                  "scatter": "tensor", "all_gather": "tensor_list", "reduce_scatter": "input_list"}  # fmt: skip
+"""The ``torch.distributed`` function's argument that holds :data:`AGREED_TENSOR`'s tensor."""
 
 
 def agreed_dims(kind: str, split: bool) -> str | None:
@@ -150,8 +146,7 @@ def describe(kind: str, given: Mapping[str, Any], group_rank: Any) -> tuple[str,
     split = bool(given.get("output_split_sizes") or given.get("input_split_sizes"))
     dims = agreed_dims(kind, split)
     if dims is not None:
-        role = AGREED_TENSOR[kind]
-        value = given.get(_ARGUMENT_OF.get(kind, _ARGUMENT[role]))
+        value = given.get(_DIST_ARGUMENT[kind])
         parts.append(tensor_words(value, dims) or "?")
     if kind == "all_gather":  # the rank's input is its own entry of the list
         shapes = [tensor_text(t) for t in given.get("tensor_list") or []]
