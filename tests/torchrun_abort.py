@@ -8,7 +8,8 @@ so the tensor groups are {0,1}, {2,3}, ...):
   collective), and of each pair the rank with the lower address waits with no socket at all.
 * ``connected``: the same after one warm-up all-reduce on the tensor group (connected pairs).
 * ``data``: rank 0 all-reduces alone on its data group {0, 2, 4, 6} (never connected).
-* ``launch``: rank 7 never arrives at a launch; ranks 0-6 wait at the launch's rendezvous.
+* ``launch``: rank 7 does not arrive at a launch before ranks 0-6, waiting at its rendezvous,
+  abort it (it then launches too, alone, and aborts that: ranks launch in step).
 
 In each cycle a thread on every waiting rank calls ``gpc.abort()`` 1 s after the wait began;
 the wait must then raise. Every rank destroys, and the next cycle launches again in the same
@@ -19,6 +20,7 @@ the wait raised and what it raised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -56,7 +58,15 @@ def cycle(state: str, rank: int) -> dict[str, Any]:
     row: dict[str, Any] = {"state": state, "waited": rank in ALONE[state]}
     if state == "launch":
         if rank == 7:
-            time.sleep(3.5)  # never arrives at this launch
+            # Comes only after the others aborted this launch (and aborts its own in turn): every
+            # rank launches as often as the others, so the next launch pairs with theirs.
+            time.sleep(1.5)
+            late = aborting({})
+            with contextlib.suppress(RuntimeError):
+                parallelctx.launch_from_torch(CONFIG)
+            late.join(10)
+            gpc.destroy()
+            time.sleep(1.0)
             return row
         thread = aborting(row)
         try:

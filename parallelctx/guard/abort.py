@@ -234,19 +234,23 @@ class LaunchAborted(RuntimeError):
 
 class AbortableStore(dist.Store):
     """A store that refuses every call once ``aborted`` is set, raising :class:`LaunchAborted`:
-    the launch's waits call the store every 0.25 s at most, so ``gpc.abort()`` ends them.
+    the launch's waits call the store every 0.25 s at most, so ``gpc.abort()`` ends them; and
+    once ``halted`` is set (a peer abandoned the launch attempt), raising RuntimeError.
     Everything else is passed to ``inner`` unchanged (a wait already inside ``inner`` runs to its
     own end); :meth:`clone` gives a plain clone of ``inner``. torch holds a store made in Python
     without keeping the Python object alive: keep a reference for as long as it is used."""
 
-    def __init__(self, inner: Any, aborted: threading.Event) -> None:
+    def __init__(self, inner: Any, aborted: threading.Event, halted: threading.Event | None = None) -> None:
         super().__init__()
         self._inner = inner
         self._aborted = aborted
+        self._halted = halted
 
     def _check(self) -> None:
         if self._aborted.is_set():
             raise LaunchAborted("parallelctx: gpc.abort() was called during the launch")
+        if self._halted is not None and self._halted.is_set():
+            raise RuntimeError("parallelctx: another rank abandoned this launch attempt")
 
     def set(self, key: str, value: Any) -> None:
         self._check()

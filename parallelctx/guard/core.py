@@ -59,6 +59,9 @@ class Guard:
         self._held: dict[int, Held] = {}
         self._handlers: list[Callable[[HangReport], Any]] = []
         self._watch: HangWatch | None = None
+        # What else an abort ends: the launch's own store connection while a launch waits
+        # inside torch (set by the meeting, runtime/bell.py), else None.
+        self.cut: Callable[[], Any] | None = None
 
     # ------------------------------------------------------------------ groups
     def begin(self) -> None:
@@ -113,7 +116,8 @@ class Guard:
 
     def abort(self, timeout: float = 2.0) -> int:
         """Abort every held group from any thread, without waiting on a hung collective: set
-        :attr:`aborted` (a launch under way stops at its next store call), ``ProcessGroup.abort()``
+        :attr:`aborted` (a launch under way stops at its next store call, and :attr:`cut` ends a
+        wait of its inside torch), ``ProcessGroup.abort()``
         on each (NCCL), then for each gloo group a connection to its listener in each peer's
         name (:func:`~parallelctx.guard.abort.wake`: a pair waiting for a peer that never
         connected takes it and raises) and a shutdown of every connection of its loop. A
@@ -127,6 +131,9 @@ class Guard:
         """
         with self._lock:
             self.aborted.set()
+            cut = self.cut
+            if cut is not None:
+                cut()
             held = list(self._held.values())
             if not held:
                 return 0

@@ -15,21 +15,25 @@ run's is :func:`parallelctx.runtime.simulate.meet`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from ..config.args import LaunchArgs
 from ..guard.abort import AbortableStore
 from ..guard.core import Guard
 from ..guard.sockets import FdSlots
+from . import rendezvous
+from .bell import Abandoned, Bell, Line, abandon
 from .groups import connects_at_creation
 from .rendezvous import Arrival, connect_store, meet, rank_list
 
@@ -71,6 +75,34 @@ class Meetings:
         self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
         self._refusal: threading.Thread | None = None
         self._exit_hook = False
+        # This rank's launch attempt: the prefix it posted or answered, its rank and world size,
+        # the base store; the bell of the attempt once past the meeting (runtime/bell.py).
+        self._attempt: tuple[str, int, int, Any] | None = None
+        self._bell: Bell | None = None
+        self.halted = threading.Event()
+        self._launches = 0  # launches begun in this process: the generation of the next meeting
+        self._generation_of: tuple[tuple[int, int, int], int | None] = ((0, -1, 0), None)
+
+    def begin(self) -> None:
+        """A launch begins in this process (its meetings, retries included, share its
+        generation; :func:`parallelctx.runtime.rendezvous.meet`); returns None."""
+        self._launches += 1
+
+    def _generation(self, base: Any, rank: int, world_size: int) -> int | None:
+        """This launch's generation: which launch of this process it is; None (pairs with any)
+        for the first launch of a process that takes over a rank that launched on this store
+        before (a replaced rank, or every rank after a torchrun restart). Marks the rank's slot."""
+        if self._generation_of[0] == (self._launches, rank, world_size):
+            return self._generation_of[1]  # a meeting again within the same launch
+        slot = f"parallelctx/slot/{world_size}/{rank}"
+        try:
+            taken = self._launches <= 1 and base.check([slot])
+            base.set(slot, str(self._launches).encode())
+        except Exception:
+            return None  # the meeting reports a store that went away
+        generation = None if taken else self._launches
+        self._generation_of = ((self._launches, rank, world_size), generation)
+        return generation
 
     def announce_refusal(self, args: LaunchArgs, timeout: timedelta, arrival: Arrival) -> None:
         """Tell the other ranks, in a background thread, that this rank refused to launch
@@ -156,11 +188,73 @@ class Meetings:
             base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
             self._stores[key] = base
         base.set_timeout(timeout)
-        kv = self._kv = AbortableStore(base, self.aborted)
-        prefix, hosts = meet(kv, arrival, world_size, timeout, shown(url), deadline)
+        self.halted.clear()
+        kv = self._kv = AbortableStore(base, self.aborted, self.halted)
+
+        self._attempt = None
+
+        def posted(prefix: str) -> None:
+            if arrival.error is None:  # a refusal abandons nothing
+                self._attempt = (prefix, rank, world_size, base)
+
+        generation = self._generation(base, rank, world_size)
+        prefix, hosts = meet(kv, arrival, world_size, timeout, shown(url), deadline, posted, generation)
         meeting = dist.PrefixStore(prefix, kv)
-        self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
+        if arrival.error is None and world_size > 1:
+            line = Line(base)
+            left = timedelta(seconds=max(deadline - time.monotonic(), 0.0) + 5.0)
+            self._bell = Bell(base, prefix, rank, line, self.halted, left)
+            self._plain = {id(meeting): dist.PrefixStore(prefix, line.store)}
+        else:
+            self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
         return meeting, hosts
+
+    @contextlib.contextmanager
+    def connecting(self) -> Iterator[None]:
+        """While the body runs, torch connects this attempt's default group: its line is not cut
+        (:attr:`parallelctx.runtime.bell.Line.connecting`). Yields None."""
+        bell = self._bell
+        if bell is None:
+            yield
+            return
+        bell.line.connecting.set()
+        try:
+            yield
+        finally:
+            bell.line.connecting.clear()
+
+    def cut(self) -> None:
+        """End a wait inside torch on this launch attempt's store connection, from any thread
+        (``gpc.abort()``); returns None, never raises."""
+        bell = self._bell
+        if bell is not None:
+            bell.cut()
+
+    def settled(self) -> Abandoned | None:
+        """The launch attempt is over on this rank (made, or failed): stop its bell.
+
+        Returns:
+            A peer's abandonment of the attempt, when this rank's bell heard one (the start-up
+            then meets again), else None. Never raises.
+        """
+        bell, self._bell = self._bell, None
+        heard = bell.stop() if bell is not None else None
+        if heard is None and self.halted.is_set() and self._attempt is not None:
+            heard = Abandoned(-1, self._attempt[0])
+        return heard
+
+    def abandon(self) -> None:
+        """Tell the other ranks of this rank's launch attempt, if it got as far as a prefix,
+        that this rank abandoned it (:func:`parallelctx.runtime.bell.abandon`); returns None,
+        never raises."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            prefix, rank, world_size, base = attempt
+            abandon(base, prefix, rank, world_size)
+
+    def launched(self) -> None:
+        """The launch is made: forget its attempt (nothing to abandon any more); returns None."""
+        self._attempt = None
 
     def plain(self, store: Any) -> Any:
         """Return the store torch's groups get for ``store`` (from :meth:`meet`): the same keys
@@ -260,14 +354,33 @@ def init_default_group(
         store: Any = dist.HashStore()
         hostnames = (arrival.host,) if arrival is not None else ()
     else:
+        guard.cut = meetings.cut
         store, hosts = meetings.meet(
             url_of(args), arrival or Arrival(rank, ""), world_size, timeout, deadline
         )
         hostnames = tuple(hosts) if arrival is not None else ()
     slots = FdSlots.reserve()  # after the store: its server's loop is no group's
     eager = world_size > 1 and connects_at_creation(backend)
-    dist.init_process_group(
-        backend=backend, rank=rank, world_size=world_size, timeout=timeout, store=meetings.plain(store)
-    )
+    if eager:
+        # Every rank comes here before any connects its pairs, and from here on none leaves
+        # before its pairs are connected (Line.connecting): a rank that abandons the attempt
+        # after this point leaves no peer connecting to its closed listener.
+        rendezvous.settle(store, "connect", rank, world_size, timeout, "the launch's store", deadline)
+    named = c10d._world.group_count
+    try:
+        with meetings.connecting():
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+                store=meetings.plain(store),
+            )
+    except BaseException:
+        # torch took the next group name (a count) before it failed: give it back, or the next
+        # launch's default group would meet the other ranks' under another name.
+        if not dist.is_initialized():
+            c10d._world.group_count = named
+        raise
     guard.hold(dist.group.WORLD, slots)
     return DefaultGroup(backend, True, timeout, hostnames, None if world_size == 1 else store, eager)

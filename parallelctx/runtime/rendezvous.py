@@ -16,6 +16,7 @@ Imports nothing from parallelctx (context.py builds on it).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -33,6 +34,7 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 __all__ = [
+    "ABANDONED",
     "Arrival",
     "RendezvousError",
     "agree_launch",
@@ -59,6 +61,11 @@ _NAME_EVERY_MAX_S = 8.0
 # Added to the count of a rendezvous by a rank that refused, so that one request tells a waiting
 # rank both how many arrived and whether one refused.
 REFUSED = 1 << 32
+# Added to a launch prefix's answer count by a rank that abandoned that attempt after answering
+# (parallelctx.runtime.bell.abandon): a multiple of REFUSED, so answers modulo REFUSED still count.
+ABANDONED = 1 << 48
+
+logger = logging.getLogger("parallelctx")
 
 
 def _namings() -> Iterator[float]:
@@ -320,6 +327,8 @@ def meet(
     timeout: timedelta,
     where: str,
     deadline: float | None = None,
+    on_post: Callable[[str], None] | None = None,
+    generation: int | None = None,
 ) -> tuple[str, list[str]]:
     """Meet every rank of ``world_size`` on ``store`` in one round trip: agree on a key prefix no
     earlier launch on the store used, and check every rank's ``arrival`` (its values, or the
@@ -338,6 +347,16 @@ def meet(
     nonce, so no rank adopts it. A refusal is posted as soon as rank 0 reads it, and posted
     again as later ranks answer, until every rank has read it or the deadline passes.
 
+    A rank that abandons an attempt after answering adds :data:`~parallelctx.runtime.bell.ABANDONED`
+    to its answer count (:func:`parallelctx.runtime.bell.abandon`): rank 0, still waiting for
+    answers, then posts a new prefix (with a fresh ``timeout``) and the other ranks answer that.
+    ``on_post(prefix)`` is called with each prefix this rank posts or answers.
+
+    ``generation`` is which launch of its process this is (None: any). Rank 0 posts its own with
+    the prefix, and another rank answers only a prefix of its own generation, or of any when
+    either is None: ranks that abort and relaunch on their own thus pair relaunch with relaunch,
+    never one rank's relaunch with another's attempt that is still to be aborted.
+
     Returns:
         The prefix (the same on every rank) and every rank's host name in rank order. A rank
         whose ``arrival.error`` is set returns once every rank was told (or the deadline passed)
@@ -351,10 +370,11 @@ def meet(
     """
     seconds = timeout.total_seconds()
     deadline = time.monotonic() + seconds if deadline is None else deadline
+    post = on_post or (lambda prefix: None)
     if arrival.rank == 0:
-        prefix, verdict = _lead(store, arrival, world_size, seconds, where, deadline)
+        prefix, verdict = _lead(store, arrival, world_size, seconds, where, deadline, post, generation)
     else:
-        prefix, verdict = _follow(store, arrival, world_size, seconds, where, deadline)
+        prefix, verdict = _follow(store, arrival, world_size, seconds, where, deadline, post, generation)
     if verdict.problem is not None and arrival.error is None:
         raise RendezvousError(f"launch refused on every rank: {verdict.problem}", verdict.culprits, where)
     return prefix, list(verdict.hosts)
@@ -384,12 +404,43 @@ def agree_launch(
 
 
 def _lead(
-    store: Any, arrival: Arrival, world_size: int, seconds: float, where: str, deadline: float
+    store: Any,
+    arrival: Arrival,
+    world_size: int,
+    seconds: float,
+    where: str,
+    deadline: float,
+    post: Callable[[str], None],
+    generation: int | None = None,
 ) -> tuple[str, _Verdict]:
-    """Rank 0's half of :func:`meet`: post a new prefix, read every answer, post the verdict."""
+    """Rank 0's half of :func:`meet`: post a new prefix, read every answer, post the verdict;
+    post a new prefix (with a fresh deadline) whenever a rank abandons the one posted."""
+    while True:
+        try:
+            return _lead_once(store, arrival, world_size, seconds, where, deadline, post, generation)
+        except _Abandoned as gone:
+            logger.warning("parallelctx: %s; rank 0 posts a new launch prefix", gone)
+            deadline = max(deadline, time.monotonic() + seconds)
+
+
+class _Abandoned(RendezvousError):
+    """A rank abandoned the prefix rank 0 posted (raised out of :func:`_await_count`'s wait)."""
+
+
+def _lead_once(
+    store: Any,
+    arrival: Arrival,
+    world_size: int,
+    seconds: float,
+    where: str,
+    deadline: float,
+    post: Callable[[str], None],
+    generation: int | None,
+) -> tuple[str, _Verdict]:
     try:
         prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
-        store.set(_ROOT + "leader", prefix.encode())
+        post(prefix)
+        store.set(_ROOT + "leader", f"{prefix} {'*' if generation is None else generation}".encode())
     except Exception as exc:
         raise _lost(0, where, exc) from None
     if arrival.error is not None:
@@ -399,7 +450,13 @@ def _lead(
         return prefix, _Verdict((), (arrival.host,))
     with _waiting(lambda: f"the other ranks of {world_size} at {where}"):
 
-        def refused() -> None:
+        def refused(count: int) -> None:
+            if count >= ABANDONED:
+                raise _Abandoned(
+                    f"a rank abandoned the launch attempt {prefix.rstrip('/')} while rank 0 read the answers"
+                )
+            if count < REFUSED:
+                return
             bad = int(store.get(prefix + "refusal"))  # set before the count says a rank refused
             theirs: Arrival = pickle.loads(store.get(f"{prefix}answer/{bad}"))[1]
             why = f"rank {bad} (host {theirs.host}) refused to launch, so every rank stops: {theirs.error}"
@@ -478,7 +535,14 @@ def _refuse(
 
 
 def _follow(
-    store: Any, arrival: Arrival, world_size: int, seconds: float, where: str, deadline: float
+    store: Any,
+    arrival: Arrival,
+    world_size: int,
+    seconds: float,
+    where: str,
+    deadline: float,
+    post: Callable[[str], None],
+    generation: int | None = None,
 ) -> tuple[str, _Verdict]:
     """The other ranks' half of :func:`meet`: answer the posted prefix with a nonce and this
     rank's arrival until rank 0 confirms that nonce; return the prefix and the verdict."""
@@ -487,21 +551,27 @@ def _follow(
     answer = pickle.dumps((nonce, arrival))
     count = 1 + (REFUSED if arrival.error is not None else 0)
     answered: str | None = None
+    behind: int | None = None  # rank 0's generation when it is at another launch than this rank
     pauses = _pauses(world_size)
     reread = 0.0  # when to read the posted prefix again (a newer launch may replace it)
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
         while True:
             try:
                 now = time.monotonic()
-                if (answered is None or now >= reread) and store.check([_ROOT + "leader"]):
-                    prefix = store.get(_ROOT + "leader").decode()
-                    if prefix != answered:
+                if now >= reread and store.check([_ROOT + "leader"]):
+                    prefix, theirs = _posted(store.get(_ROOT + "leader"))
+                    if not _in_step(theirs, generation):
+                        behind = theirs  # rank 0 is at another launch: wait for the one of ours
+                        now = 0.0  # and read again at the next poll
+                    elif prefix != answered:
+                        behind = None
+                        post(prefix)
                         store.set(f"{prefix}answer/{rank}", answer)
                         if arrival.error is not None:
                             store.set(prefix + "refusal", str(rank).encode())
                         store.add(prefix + "answers", count)
                         answered = prefix
-                    reread = now + _SLICE_S
+                    reread = now + _SLICE_S if now else 0.0
                 if answered is not None and store.check([answered + "confirmed"]):
                     verdict: _Verdict = pickle.loads(store.get(answered + "confirmed"))
                     if len(verdict.nonces) == world_size - 1 and verdict.nonces[rank - 1] == nonce:
@@ -517,8 +587,41 @@ def _follow(
                 missing = (
                     _missing(store, world_size, answered + "answer/", 1) if answered is not None else None
                 )
+                if behind is not None and generation is not None and answered is None:
+                    raise _out_of_step(rank, behind, generation, world_size, seconds, where)
                 raise _not_arrived(missing or [0], world_size, seconds, where)
             time.sleep(min(next(pauses), max(deadline - now, 0.0)))
+
+
+def _posted(value: bytes) -> tuple[str, int | None]:
+    """The prefix and launch generation rank 0 posted (None: any)."""
+    prefix, _, generation = value.decode().partition(" ")
+    return prefix, int(generation) if generation.isdigit() else None
+
+
+def _in_step(theirs: int | None, ours: int | None) -> bool:
+    """Whether a launch at generation ``theirs`` may pair with one at ``ours`` (None pairs with any)."""
+    return theirs is None or ours is None or theirs == ours
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _out_of_step(
+    rank: int, theirs: int, ours: int, world_size: int, seconds: float, where: str
+) -> RendezvousError:
+    """The error of a rank that waited for rank 0's launch of its own generation in vain."""
+    return RendezvousError(
+        f"rank {rank} waited {seconds:g} s (dist.timeout) at {where} for rank 0 to make the "
+        f"{_nth(ours)} launch of its process, as this rank does, but rank 0 is at its {_nth(theirs)}: "
+        "the ranks of a job launch in step (each launch after gpc.abort() or a failed launch pairs "
+        "only with the other ranks' launches after theirs, so that no rank's relaunch meets "
+        "another rank's attempt that is still to be aborted); launch and gpc.destroy() as often on "
+        f"every rank of the {world_size}, or call gpc.abort() on every rank that should relaunch",
+        (0,),
+        where,
+    )
 
 
 def _missing(store: Any, world_size: int, posted: str, first: int = 0) -> list[int] | None:
@@ -538,12 +641,12 @@ def _await_count(
     seconds: float,
     deadline: float,
     where: str,
-    on_refusal: Callable[[], None] | None = None,
+    on_refusal: Callable[[int], None] | None = None,
     first: int = 0,
 ) -> None:
     """Poll ``counter`` on ``store``, in short slices, one request a poll, until it counts
-    ``target`` (modulo :data:`REFUSED`; a count of :data:`REFUSED` or more calls ``on_refusal``,
-    which raises); the ranks from ``first`` whose ``<posted><rank>`` key is missing (of
+    ``target`` (modulo :data:`REFUSED`; a count of :data:`REFUSED` or more calls
+    ``on_refusal(count)``, which raises when it stops the wait); the ranks from ``first`` whose ``<posted><rank>`` key is missing (of
     ``world_size``) are named after a second of waiting (for SIGTERM's message) and in the error.
 
     Raises:
@@ -556,7 +659,7 @@ def _await_count(
         try:
             count = store.add(counter, 0)
             if count >= REFUSED and on_refusal is not None:
-                on_refusal()
+                on_refusal(count)
             if count % REFUSED >= target:
                 return
         except RendezvousError:

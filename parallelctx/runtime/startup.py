@@ -418,34 +418,49 @@ def start(
     if dry is not None:
         return _start_dry(config, raw, dry, guard)
     meetings.finish_refusal()  # an earlier refusal of this process, still being told
+    meetings.begin()
     guard.begin()
     cfg, args, layout = _checked(config, raw, meetings)
     wait = args.timeout or cfg.dist.timeout
     seed = args.seed if args.seed is not None else cfg.seed
     values = agreed_values(cfg, layout, args.world_size, args.backend, wait, seed)
-    launched = Launched(config=cfg, local_rank=args.local_rank)
-    maker: GroupMaker | None = None
-    try:
-        check_init_method_env(args.init_method)
-        backend = resolve_backend(args.backend or cfg.dist.backend)
-        arrival = Arrival(args.rank, socket.gethostname(), values)
-        default = init_default_group(meetings, guard, args, backend, wait, arrival)
-        launched = launched.met(args.rank, args.world_size, default)
-        maker = launched.group_maker(guard, meetings)
-        launched = launched.with_groups(maker, layout).with_hosts().with_device().with_streams(seed)
-        if guard.aborted.is_set():  # abort() came while torch made the groups
-            raise LaunchAborted(
-                f"rank {args.rank}: the launch was aborted by gpc.abort() while it made the groups"
-            )
-    except BaseException as exc:
-        _undo(launched, maker, guard)
-        if guard.aborted.is_set() and not isinstance(exc, (KeyboardInterrupt, LaunchAborted)):
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            raise LaunchAborted(
-                f"rank {args.rank}: the launch was aborted by gpc.abort() while it waited "
-                f"({type(exc).__name__}: {first})"
-            ) from exc
-        raise
+    check_init_method_env(args.init_method)
+    backend = resolve_backend(args.backend or cfg.dist.backend)
+    arrival = Arrival(args.rank, socket.gethostname(), values)
+    while True:
+        launched = Launched(config=cfg, local_rank=args.local_rank)
+        maker: GroupMaker | None = None
+        try:
+            default = init_default_group(meetings, guard, args, backend, wait, arrival)
+            launched = launched.met(args.rank, args.world_size, default)
+            maker = launched.group_maker(guard, meetings)
+            launched = launched.with_groups(maker, layout).with_hosts().with_device().with_streams(seed)
+            if guard.aborted.is_set():  # abort() came while torch made the groups
+                raise LaunchAborted(
+                    f"rank {args.rank}: the launch was aborted by gpc.abort() while it made the groups"
+                )
+            heard = meetings.settled()
+            if heard is None:
+                meetings.launched()
+                break
+            raise _PeerAbandoned(heard.words())
+        except BaseException as exc:
+            _undo(launched, maker, guard)
+            heard = meetings.settled()
+            if heard is not None and not guard.aborted.is_set() and not isinstance(exc, KeyboardInterrupt):
+                # A peer abandoned this attempt (its own abort, or an error there): meet again.
+                logger.warning(
+                    "parallelctx: %s; rank %d meets the other ranks again", heard.words(), args.rank
+                )
+                continue
+            meetings.abandon()
+            if guard.aborted.is_set() and not isinstance(exc, (KeyboardInterrupt, LaunchAborted)):
+                first = str(exc).splitlines()[0] if str(exc) else ""
+                raise LaunchAborted(
+                    f"rank {args.rank}: the launch was aborted by gpc.abort() while it waited "
+                    f"({type(exc).__name__}: {first})"
+                ) from exc
+            raise
     on_node = local_rank_of(launched.hostnames, args.rank)[1]
     if args.local_world_size is not None and args.local_world_size != on_node:
         logger.warning(
@@ -456,6 +471,10 @@ def start(
             socket.gethostname(),
         )
     return launched
+
+
+class _PeerAbandoned(RuntimeError):
+    """A peer abandoned this rank's launch attempt after this rank had made its groups."""
 
 
 def _checked(

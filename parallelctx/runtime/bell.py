@@ -1,0 +1,190 @@
+"""A launch attempt's bell: when one rank abandons an attempt, every other rank of it is told
+at once, even while it waits inside torch.
+
+A launch attempt is one key prefix on the rendezvous store (``parallelctx/launch-<n>/``, agreed by
+:func:`parallelctx.runtime.rendezvous.meet`). Ranks that abort and relaunch on their own, without
+coordinating, can pair one rank's relaunch with another rank's attempt that is about to be aborted:
+the ranks that went on then wait for the aborted rank inside torch (``init_process_group``'s
+address exchange, a group's connection), where no Python check runs, until ``dist.timeout``. So:
+
+* a rank whose attempt fails or is aborted after it answered a prefix *abandons* it
+  (:func:`abandon`): it adds :data:`~parallelctx.runtime.rendezvous.ABANDONED` to the prefix's answer count (rank 0, still
+  counting answers, starts over under a new prefix) and rings every rank's bell key;
+* every rank that got past the meeting keeps a :class:`Bell` until its launch is done: a thread
+  blocked in a store ``wait`` on its own bell key, on a connection of its own. When it rings, it
+  shuts down the connection torch's groups use for this attempt (:class:`Line`), so a wait inside
+  torch raises within milliseconds, and sets ``halted``, so a wait in Python stops at its next
+  store call. The start-up then meets the others again under a new prefix.
+
+A normal launch costs two more store connections per rank while it runs, one thread and two store
+requests. Stores without their own connections (``FileStore``, ``HashStore``) get no bell.
+
+Imports nothing from parallelctx outside ``guard`` and ``runtime.rendezvous``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..guard.abort import socket_inodes
+from ..guard.sockets import shut_down_fd
+from .rendezvous import ABANDONED
+
+__all__ = ["Abandoned", "Bell", "Line", "abandon"]
+
+logger = logging.getLogger("parallelctx")
+
+_DONE = b"done"
+
+
+@dataclass(frozen=True)
+class Abandoned:
+    """A peer's abandonment of a launch attempt, as this rank's bell heard it: the rank and the
+    attempt's prefix."""
+
+    rank: int
+    prefix: str
+
+    def words(self) -> str:
+        """Return the abandonment in words, for a log line or an error."""
+        who = f"rank {self.rank}" if self.rank >= 0 else "a rank"
+        return f"{who} abandoned the launch attempt {self.prefix.rstrip('/')} (gpc.abort() or an error on that rank)"
+
+
+def _bell_key(prefix: str, rank: int) -> str:
+    return f"{prefix}bell/{rank}"
+
+
+def abandon(store: Any, prefix: str, rank: int, world_size: int) -> None:
+    """Tell every rank of the attempt under ``prefix`` that ``rank`` abandoned it: add
+    :data:`ABANDONED` to its answer count and ring every rank's bell. Never raises (the store may
+    be gone with the rank that served it); returns None."""
+    with contextlib.suppress(Exception):
+        store.add(prefix + "answers", ABANDONED)
+        keys = [_bell_key(prefix, r) for r in range(world_size) if r != rank]
+        if keys:
+            store.multi_set(keys, [str(rank).encode()] * len(keys))
+
+
+def _peer_port(fd: int, inode: int) -> int | None:
+    """The remote port of the connected TCP socket at ``fd`` (inode ``inode``), else None."""
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(copy).st_ino != inode:
+            return None
+        with socket.socket(fileno=copy) as sock:
+            copy = -1
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                return None
+            return int(sock.getpeername()[1])
+    except (OSError, ValueError):
+        return None
+    finally:
+        if copy >= 0:
+            os.close(copy)
+
+
+def _socket_fds(inodes: Iterable[int]) -> dict[int, int]:
+    """inode -> a descriptor of this process for each of ``inodes`` still open."""
+    wanted, out = set(inodes), {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                target = os.readlink("/proc/self/fd/" + name)
+                if target.startswith("socket:[") and int(target[8:-1]) in wanted:
+                    out[int(target[8:-1])] = int(name)
+    return out
+
+
+class Line:
+    """A connection of this rank's own to a TCP store, for one launch attempt: torch's groups of
+    the attempt wait on it, and :meth:`cut` shuts it down from any thread, so that such a wait
+    raises within milliseconds. For any other store, the store itself (and :meth:`cut` does
+    nothing)."""
+
+    def __init__(self, base: Any) -> None:
+        self.store = base
+        #: Set while torch connects the default group's pairs: no cut then (see :meth:`cut`).
+        self.connecting = threading.Event()
+        self._sockets: dict[int, int] = {}
+        if not isinstance(base, dist.TCPStore):
+            return
+        port = base.port
+        before = socket_inodes()
+        self.store = base.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
+        new = [i for i in socket_inodes() if i not in before]
+        self._sockets = {i: fd for i, fd in _socket_fds(new).items() if _peer_port(fd, i) == port}
+
+    def cut(self) -> int:
+        """Shut down the connection (the descriptor stays the store's), unless torch is connecting
+        the default group's pairs (:attr:`connecting`): every rank got there together, so that
+        ends within moments, and a rank that left it then would leave a peer connecting to its
+        closed listener, which gloo retries in C++ for minutes. Returns how many sockets were
+        shut down. Never raises."""
+        if self.connecting.is_set():
+            return 0
+        return sum(shut_down_fd(fd, inode) for inode, fd in self._sockets.items())
+
+
+class Bell:
+    """Waits, in a thread on its own store connection, until a peer abandons the attempt under
+    ``prefix`` (:func:`abandon`) or :meth:`stop` is called; when a peer abandons it, sets
+    ``halted``, cuts ``line`` and keeps who it was (:attr:`heard`). ``timeout`` bounds the wait
+    (the launch's: a launch that runs longer fails on its own)."""
+
+    def __init__(
+        self, base: Any, prefix: str, rank: int, line: Line, halted: threading.Event, timeout: timedelta
+    ) -> None:
+        self.heard: Abandoned | None = None
+        self._base, self._prefix, self._rank = base, prefix, rank
+        self.line, self._halted = line, halted
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        if not isinstance(base, dist.TCPStore):
+            return
+        ear = base.clone()  # type: ignore[attr-defined]
+        self._thread = threading.Thread(
+            target=self._listen, args=(ear, timeout), name="parallelctx-launch-bell", daemon=True
+        )
+        self._thread.start()
+
+    def _listen(self, ear: Any, timeout: timedelta) -> None:
+        key = _bell_key(self._prefix, self._rank)
+        try:
+            ear.wait([key], timeout)
+            value = ear.get(key)
+        except Exception:
+            return  # the launch's own deadline speaks for it
+        if value == _DONE or self._stopping.is_set():
+            return
+        with contextlib.suppress(ValueError):
+            self.heard = Abandoned(int(value), self._prefix)
+        self._halted.set()
+        self.line.cut()
+
+    def cut(self) -> None:
+        """Cut this attempt's line (``gpc.abort()`` during the launch); returns None."""
+        self.line.cut()
+
+    def stop(self) -> Abandoned | None:
+        """Stop listening (the launch is done or failed on its own); returns what was heard
+        before, if anything. Never raises."""
+        self._stopping.set()
+        if self._thread is not None:
+            with contextlib.suppress(Exception):
+                self._base.set(_bell_key(self._prefix, self._rank), _DONE)
+            self._thread.join(5.0)
+        return self.heard
