@@ -51,6 +51,7 @@ MODULES = [
     "config.schema",
     "config.errors",
     "config.files",
+    "config.sections",
     "env.base",
     "env.torchrun",
     "env.mpi",
