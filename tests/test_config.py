@@ -557,7 +557,7 @@ def test_py_config_keeps_module_identity(tmp_path: Path) -> None:
             del sys.modules[name]
 
 
-# --------------------------------------------------------------------------- issue 38: sections under another name
+# ------------------------------------------------------------------ issue 38: sections under another name
 # torchtitan calls the section `parallelism`; others write `distributed`, `model_parallel`,
 # `parallel_config`. Each held tensor=2, pipeline=2 and the job ran at tensor 1, pipeline 1.
 ELSEWHERE = ("parallelism", "distributed", "model_parallel", "parallel_config")
