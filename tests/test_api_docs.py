@@ -69,6 +69,7 @@ MODULES = [
     "testing.balance",
     "testing.pool",
     "testing.plugin",
+    "testing.rank",
     "testing.report",
     "testing.worker",
 ]
