@@ -179,7 +179,7 @@ def misplaced_section(name: Any, value: Any) -> Misplaced | None:
     An entry is misplaced when:
 
     * **its content** is an owned section's: a mapping with at least two keys of ``parallel``
-      (or of ``dist``), each with a value of that key's shape, that make up at least half of its
+      and ``dist``, each with a value of that key's shape, that make up at least half of its
       keys (``foo = dict(tensor=2, pipeline=2)``); under a name that refers to the parallel
       setup (a word ``parallel``, ``parallelism``, ``dist``, ``distributed``:
       ``model_parallel``, ``parallel_config``), one such key is enough;
