@@ -83,6 +83,16 @@ CASES: list[tuple[str, str, Callable[[], Any]]] = [
     ("typo", "`dist={'timout': 60}`", lambda: Config({"dist": {"timout": 60}})),
     ("typo", "`paralel={'tensor': 2}` (a section)", lambda: Config({"paralel": {"tensor": 2}})),
     ("typo", "`Seed=1`", lambda: Config({"Seed": 1})),
+    (
+        "typo",
+        "`parallelism={'tensor': 2, 'pipeline': 2}` (torchtitan's name for the section)",
+        lambda: Config({"parallelism": {"tensor": 2, "pipeline": 2}}),
+    ),
+    (
+        "typo",
+        "`distributed={'backend': 'gloo', 'timeout': 60}`",
+        lambda: Config({"distributed": {"backend": "gloo", "timeout": 60}}),
+    ),
     ("type", "`parallel.tensor={'size': True}`", lambda: Config({"parallel": {"tensor": {"size": True}}})),
     ("type", "`parallel.tensor='2'`", lambda: Config({"parallel": {"tensor": "2"}})),
     ("type", "`parallel.tensor={'size': '2'}`", lambda: Config({"parallel": {"tensor": {"size": "2"}}})),

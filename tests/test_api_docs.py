@@ -51,6 +51,7 @@ MODULES = [
     "config.schema",
     "config.errors",
     "config.files",
+    "config.sections",
     "env.base",
     "env.torchrun",
     "env.mpi",
@@ -68,6 +69,7 @@ MODULES = [
     "testing.balance",
     "testing.pool",
     "testing.plugin",
+    "testing.rank",
     "testing.report",
     "testing.worker",
 ]

@@ -11,6 +11,8 @@ from pydantic import ValidationError
 
 from parallelctx import Config, ConfigError, load_config
 
+pytest_plugins = ["pytester"]
+
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -553,3 +555,195 @@ def test_py_config_keeps_module_identity(tmp_path: Path) -> None:
         sys.path.remove(str(tmp_path))
         for name in [n for n in sys.modules if n.startswith("idpkg_issue10")]:
             del sys.modules[name]
+
+
+# ------------------------------------------------------------------ issue 38: sections under another name
+# torchtitan calls the section `parallelism`; others write `distributed`, `model_parallel`,
+# `parallel_config`. Each held tensor=2, pipeline=2 and the job ran at tensor 1, pipeline 1.
+ELSEWHERE = ("parallelism", "distributed", "model_parallel", "parallel_config")
+
+
+@pytest.mark.parametrize("name", ELSEWHERE)
+def test_parallel_keys_under_another_name_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        Config({name: {"tensor": 2, "pipeline": 2}, "model": {"hidden": 64}})
+    text = str(info.value)
+    assert not isinstance(info.value, ValidationError)
+    assert text.startswith(f"config: section {name!r} holds parallel's keys tensor=2, pipeline=2, "), text
+    assert "parallelctx reads only from 'parallel'" in text, text
+    assert "rename the section to 'parallel'" in text, text
+    assert f"user_sections = [{name!r}]" in text, text  # the override, for an entry of the user's own
+
+
+@pytest.mark.parametrize("name", ELSEWHERE)
+def test_a_section_under_another_name_is_refused_from_a_file(tmp_path: Path, name: str) -> None:
+    py = tmp_path / "train_cfg.py"
+    py.write_text(f"{name} = dict(tensor=2, pipeline=2)\nmodel = dict(hidden=64)\n")
+    yaml = tmp_path / "train_cfg.yaml"
+    yaml.write_text(f"{name}:\n  tensor: 2\n  pipeline: 2\n")
+    for path in (py, yaml):
+        with pytest.raises(ConfigError, match=rf"^{path}: config: section '{name}' holds parallel's keys"):
+            load_config(path)
+
+
+def test_dist_keys_elsewhere_and_keys_beside_their_section() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"section 'distributed' holds dist's keys backend='gloo', timeout=60.*"
+        r"rename the section to 'dist'",
+    ):
+        Config({"distributed": {"backend": "gloo", "timeout": 60}})
+    # keys of both sections: each is named
+    with pytest.raises(
+        ConfigError,
+        match=r"holds parallel's key tensor=2 and dist's key backend='nccl'.*"
+        r"move them into 'parallel' and 'dist'",
+    ):
+        Config({"distributed": {"tensor": 2, "backend": "nccl"}})
+    # beside a `parallel` section: the keys move into it
+    with pytest.raises(ConfigError, match=r"holds parallel's key pipeline=2.*move it into 'parallel'"):
+        Config({"parallel": {"tensor": 2}, "parallelism": {"pipeline": 2}})
+    # any name, when the content is mostly parallel's keys
+    with pytest.raises(
+        ConfigError, match="section 'layout' holds parallel's keys tensor=2, pipeline=4, order="
+    ):
+        Config({"layout": {"tensor": 2, "pipeline": 4, "order": "tp-pp-dp"}})
+
+
+@pytest.mark.parametrize(
+    ("entry", "meant"),
+    [
+        ({"paralel": {"tensr": 2}}, "parallel"),  # any mapping under a near miss of parallel
+        ({"Parallel": {"tensor": 2}}, "parallel"),
+        ({"dsit": {"timout": 60}}, "dist"),  # a key close to dist's
+        ({"dist_": {"backend": "gloo"}}, "dist"),
+    ],
+)
+def test_a_misspelt_name_holding_the_sections_content_is_refused(entry: dict, meant: str) -> None:
+    name = next(iter(entry))
+    with pytest.raises(ConfigError) as info:
+        Config(entry)
+    text = str(info.value)
+    assert text.startswith(
+        f"config: top-level section {name!r} is not read by parallelctx; did you mean {meant!r}?"
+    )
+    assert f"user_sections = [{name!r}]" in text, text
+
+
+def test_a_list_of_seeds_is_the_users_own(tmp_path: Path) -> None:
+    cfg = Config({"seeds": [1, 2, 3]})
+    assert cfg.seeds == [1, 2, 3] and cfg.seed == 1024
+    assert Config({"seeds": (1, 2), "seed": 7}).seed == 7
+    assert Config({"Seeds": {"data": 1, "init": 2}}).Seeds.init == 2
+    path = tmp_path / "sweep.py"
+    path.write_text("seeds = [1, 2, 3]\nparallel = dict(tensor=1)\n")
+    assert load_config(path).seeds == [1, 2, 3]
+    # a number under a name this close to seed is still taken for a typo, with the override named
+    for entry in ({"Seed": 3}, {"seeds": 3}, {"sed": "42"}):
+        name = next(iter(entry))
+        with pytest.raises(ConfigError) as info:
+            Config(entry)
+        text = str(info.value)
+        assert f"top-level section {name!r} = {entry[name]!r} is not read by parallelctx" in text, text
+        assert "did you mean 'seed'?" in text and f"user_sections = [{name!r}]" in text, text
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"model": {"tensor_dim": 64, "pipeline_chunks": 4, "hidden": 128}},
+        {"model": {"tensor": "bf16", "pipeline": "fused"}},  # not sizes: not parallel's content
+        {"compile": {"backend": "inductor", "mode": "max-autotune"}},  # torch.compile's backend
+        {"loader": {"timeout": 30, "workers": 4}},  # a DataLoader timeout
+        {"data": {"path": "/data", "batch": 8}},
+        {"vision": {"tensor": 2}},  # one key of parallel's under a name of the user's own
+        {"parallelism": {"zero_stage": 1}},  # the name alone is no reason
+        {"distributed": {"find_unused_parameters": True}},
+        {"dists": {"normal": 0.1}},  # distributions: dist's near miss by name, not by content
+        {"dst": "/out"},
+        {"Parallel": True},
+        {"random_seed": 42},
+        {"data_seed": 3},
+    ],
+)
+def test_lookalike_entries_of_the_users_own_are_kept(entry: dict) -> None:
+    cfg = Config(entry)
+    name = next(iter(entry))
+    assert cfg.to_dict()[name] == entry[name]
+    assert cfg.parallel.tensor.size == 1 and cfg.dist.backend == "auto" and cfg.seed == 1024
+
+
+def test_user_sections_keeps_a_lookalike_and_survives_round_trips() -> None:
+    import pickle
+
+    data = {
+        "parallelism": {"tensor": 2, "pipeline": 2},
+        "seeds": 3,
+        "user_sections": ["parallelism", "seeds"],
+    }
+    cfg = Config(data)
+    assert cfg.parallelism.tensor == 2 and cfg.seeds == 3
+    assert cfg.parallel.tensor.size == 1  # the user's own: parallelctx does not read it
+    assert pickle.loads(pickle.dumps(cfg)).to_dict() == cfg.to_dict() == Config(cfg.to_dict()).to_dict()
+    # only the names listed are the user's
+    with pytest.raises(ConfigError, match="section 'parallelism' holds"):
+        Config({**data, "user_sections": ["seeds"]})
+
+
+@pytest.mark.parametrize(
+    ("listed", "match"),
+    [
+        ("seeds", r"user_sections='seeds' must be a list of top-level names of your own"),
+        ([1], r"user_sections lists \[1\], which are not names"),
+        (["seed"], r"user_sections lists seed, which parallelctx reads itself"),
+    ],
+)
+def test_user_sections_must_name_entries_of_the_users_own(listed: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Config({"user_sections": listed})
+
+
+def test_the_keys_looked_for_are_the_sections_keys() -> None:
+    from parallelctx.config import DistConfig, ParallelConfig
+    from parallelctx.config.sections import DIST_KEYS, PARALLEL_KEYS
+
+    assert set(PARALLEL_KEYS) == set(ParallelConfig.model_fields)
+    assert set(DIST_KEYS) == set(DistConfig.model_fields)
+
+
+def test_launching_with_a_section_under_another_name_is_refused_at_load(tmp_path: Path) -> None:
+    """As a user meets it: the training script's launch refuses the config before any group."""
+    import parallelctx
+    from parallelctx import ParallelMode, gpc
+
+    path = tmp_path / "titan_style.py"
+    path.write_text("parallelism = dict(tensor=2, pipeline=2)\nmodel = dict(hidden=64)\n")
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"{path}: config: section 'parallelism' holds parallel's keys"
+        ):
+            parallelctx.launch_from_env(str(path))
+        assert not gpc.is_initialized(ParallelMode.GLOBAL)
+    finally:
+        if gpc.is_initialized(ParallelMode.GLOBAL):
+            gpc.destroy()
+
+
+def test_a_pooled_test_with_such_a_config_file_fails_at_load(pytester: pytest.Pytester) -> None:
+    """The pytest plugin reads the marker's config in the controller: refused before any pool."""
+    pytester.makepyfile(cfg_titan="parallelism = dict(tensor=2, pipeline=2)\n")
+    pytester.makepyfile(
+        test_titan="""
+import pytest
+
+@pytest.mark.parallel(world_size=4, config="cfg_titan.py")
+def test_layout():
+    from parallelctx import gpc
+    assert gpc.get_world_size("tensor") == 2
+"""
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*cfg_titan.py: config: section 'parallelism' holds parallel's keys tensor=2, *"]
+    )

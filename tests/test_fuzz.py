@@ -18,6 +18,7 @@ import json
 import math
 import re
 import string
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from pydantic import ValidationError
 
 from parallelctx import Config, ConfigError, LayoutError, plan
 from parallelctx.args import LaunchArgumentError, validate_launch_args
-from parallelctx.config import near_miss_section, validate_init_method
+from parallelctx.config import misplaced_section, near_miss_section, validate_init_method
+from parallelctx.config.sections import DIST_KEYS
 from parallelctx.env import LaunchEnvError, detect
 from parallelctx.hostlist import HostlistError, count_hostlist, expand_hostlist, first_host
 from parallelctx.limits import MAX_SEED, MAX_TIMEOUT_SECONDS, MAX_WORLD_SIZE, MIN_TIMEOUT_SECONDS
@@ -163,7 +165,8 @@ configs = st.fixed_dictionaries(
         "items": values,
     },
 ).flatmap(
-    # a top-level typo of an owned section beside them (issue 27): never accepted
+    # a top-level typo of an owned section beside them (issue 27): never accepted holding what
+    # that section would (issue 38)
     lambda d: st.dictionaries(
         st.sampled_from(["paralel", "Parallel", "dsit", "sed", "data", "seq"]), values, max_size=1
     ).map(lambda extra: {**extra, **d})
@@ -209,9 +212,19 @@ def _check_accepted_config(data: dict, cfg: Config) -> None:
         assert validate_init_method(dist["init_method"]) == dist["init_method"]
     if "gloo_lazy_init" in dist:
         assert isinstance(dist["gloo_lazy_init"], bool)
-    for key in data:
-        assert near_miss_section(key) is None, key
-        assert key not in ("paralel", "Parallel", "dsit", "sed"), key
+    for key, value in data.items():
+        # a name near an owned section is accepted only holding what that section could not
+        # take (issue 38: decided by content): no mapping for parallel, no dist key for dist, no
+        # number for seed
+        near = near_miss_section(key)
+        if near == "parallel":
+            assert not (isinstance(value, Mapping) and value), (key, value)
+        elif near == "dist":
+            assert not (isinstance(value, Mapping) and set(value) & set(DIST_KEYS)), (key, value)
+        elif near == "seed":
+            assert isinstance(value, bool) or not isinstance(value, (int, float)), (key, value)
+            assert not (isinstance(value, str) and value.strip().isdigit()), (key, value)
+        assert misplaced_section(key, value) is None, (key, value)
     for key, value in data.items():
         if key not in ("parallel", "dist", "seed"):
             assert cfg[key] == value or isinstance(value, dict)
@@ -266,6 +279,10 @@ def near_misses(name: str) -> set[str]:
     return found - set(OWNED)
 
 
+# what each owned section holds: a near miss of its name holding this is refused
+CONTENT: dict[str, Any] = {"parallel": {"tensor": 2}, "dist": {"backend": "gloo"}, "seed": 1}
+
+
 @pytest.mark.parametrize("owned", OWNED)
 def test_near_miss_sections_are_never_accepted(owned: str) -> None:
     misses = near_misses(owned)
@@ -273,7 +290,7 @@ def test_near_miss_sections_are_never_accepted(owned: str) -> None:
     accepted = []
     for name in sorted(misses):
         try:
-            Config({name: {"tensor": 2} if owned == "parallel" else 1})
+            Config({name: CONTENT[owned]})
         except ConfigError as exc:
             assert f"did you mean {owned!r}?" in str(exc), (name, str(exc))
             assert not isinstance(exc, ValidationError)

@@ -314,3 +314,145 @@ def test_other_marks_are_untouched():
         text = result.stdout.str()
         assert f"@pytest.mark.{name} is not parallelctx's marker; did you mean @pytest.mark.parallel?" in text
         result.assert_outcomes(errors=1)
+
+
+# --------------------------------------------------------------------------- issue 38: parameters in hash order
+# The controller and the ranks each collect the test file; a set's order follows each process's
+# hash seed. The conftest records the controller's values by test id, and, for a controller
+# started with a fixed seed, leaves PYTHONHASHSEED out of the environment the pool sees (as for
+# a user who never set it): the ranks then run with seed 0 and collect the set in another order.
+HASH_CONFTEST = """
+import json, os
+from pathlib import Path
+
+def pytest_configure(config):
+    if not config.pluginmanager.has_plugin("parallelctx-rank") and os.environ.get("DROP_HASHSEED"):
+        os.environ.pop("PYTHONHASHSEED", None)
+
+def pytest_collection_modifyitems(config, items):
+    if config.pluginmanager.has_plugin("parallelctx-rank"):
+        return
+    seen = {
+        item.nodeid: item.callspec.params
+        for item in items
+        if hasattr(item, "callspec") and "x" not in item.callspec.params
+    }
+    Path("controller.json").write_text(json.dumps(seen))
+"""
+
+NAMES = '{"alpha", "beta", "gamma", "delta", "eps", "zeta"}'
+
+
+@pytest.mark.parametrize("seed", ["3", "random"])
+def test_parametrize_over_a_set_takes_the_controllers_values(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, seed: str
+) -> None:
+    """``parametrize`` over a set on a pooled test: every case passes whatever the controller's
+    hash seed, and each rank runs with the value of the controller's test id (direct, indirect
+    and fixture parameters alike), checked against the controller's record and across ranks."""
+    monkeypatch.setenv("PYTHONHASHSEED", seed)
+    monkeypatch.setenv("DROP_HASHSEED", "1" if seed != "random" else "")
+    pytester.makeconftest(HASH_CONFTEST)
+    pytester.makepyfile(
+        test_hash_order=HEADER
+        + f"""
+CASES = [dict(name=n) for n in {NAMES}]
+
+def controller_value(request, name):
+    return json.loads(Path("controller.json").read_text())[request.node.nodeid][name]
+
+def record(request, name, value):
+    assert os.environ["PYTHONHASHSEED"] == "0"  # every rank alike, also for a controller's "random"
+    own = CASES[request.node.callspec.indices[name]]  # what this rank collected itself
+    gathered = [None] * gpc.get_world_size("global")
+    dist.all_gather_object(gathered, value)
+    assert gathered == [value] * len(gathered), gathered
+    Path(f"seen-{{gpc.get_global_rank()}}-{{request.node.name}}.json").write_text(json.dumps([value, own]))
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("cfg", CASES)
+def test_direct(cfg, request):
+    assert cfg == controller_value(request, "cfg") == request.node.callspec.params["cfg"]
+    record(request, "cfg", cfg)
+
+@pytest.fixture
+def doubled(request):
+    return dict(request.param, twice=request.param["name"] * 2)
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("doubled", CASES, indirect=True)
+def test_indirect(doubled, request):
+    expected = controller_value(request, "doubled")
+    assert doubled == dict(expected, twice=expected["name"] * 2)
+    record(request, "doubled", {{k: v for k, v in doubled.items() if k != "twice"}})
+
+@pytest.fixture(params=CASES)
+def case(request):
+    return request.param
+
+@pytest.mark.parallel(world_size=2)
+def test_fixture_params(case, request):
+    assert case == controller_value(request, "case")
+    record(request, "case", case)
+
+class Marker:
+    pass
+
+SENTINEL = Marker()
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("x", [SENTINEL])
+def test_a_value_sent_alike_keeps_its_identity(x):
+    assert x is SENTINEL  # pickled to the same bytes as the rank's own: not replaced by a copy
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=300)
+    result.assert_outcomes(passed=19)
+    controller = json.loads((pytester.path / "controller.json").read_text())
+    seen = sorted(pytester.path.glob("seen-*.json"))
+    assert len(seen) == 36, [p.name for p in seen]  # 18 cases x 2 ranks
+    differ = 0
+    for path in seen:
+        value, own = json.loads(path.read_text())
+        nodeid = next(n for n in controller if n.endswith("::" + path.stem.split("-", 2)[2]))
+        assert [value] == list(controller[nodeid].values()), (path.name, value, controller[nodeid])
+        differ += value != own
+    if seed != "random":  # seed 3 orders the set otherwise than the ranks' seed 0
+        assert differ > 0, "the ranks collected the controller's order: the check proved nothing"
+
+
+def test_a_parameter_that_cannot_be_sent_and_differs_is_refused_by_name(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value that does not pickle (it holds a lambda) cannot be sent to the ranks: where the
+    ranks' own differs from the controller's, the case fails naming the parameter, both
+    values, the reason and the way round; where it is the same (or it pickles), it runs."""
+    monkeypatch.setenv("PYTHONHASHSEED", "3")
+    monkeypatch.setenv("DROP_HASHSEED", "1")
+    pytester.makeconftest(HASH_CONFTEST.replace("item.callspec.params", "{}"))
+    pytester.makepyfile(
+        test_unsent=HEADER
+        + f"""
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("cfg", [dict(name=n, make=lambda: n) for n in {NAMES}])
+def test_hash_order_with_a_lambda(cfg):
+    pass
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("fn", [lambda: 1])
+def test_the_same_lambda_everywhere(fn):
+    assert fn() == 1
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(failed=6, passed=1)
+    text = result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*rank 0 collected test_unsent.py::test_hash_order_with_a_lambda[[]cfg0[]] with cfg={'name': *, "
+            "the controller with cfg={'name': *, and the controller's value cannot be sent to the ranks "
+            "(*pickle*; the ranks run with PYTHONHASHSEED='0'); parametrize over values that are the same "
+            "in every process: a sorted list (sorted({...})) rather than a set, PYTHONHASHSEED set*"
+        ]
+    )
+    assert "<lambda>" in text and " at 0x" not in text.split("collected test_unsent.py")[1].split("\n")[0]

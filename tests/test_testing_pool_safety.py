@@ -104,13 +104,15 @@ def test_threads_thread_pools_session_fixtures_sets_and_skip_plus_failure(projec
 
 
 def test_ranks_that_collect_different_parameters_are_named(pytester: pytest.Pytester) -> None:
+    # the value holds a lambda, so it cannot be sent from the controller (issue 38): the ranks'
+    # own values are compared, and differ
     pytester.makepyfile(
         test_random="""
 import random
 import pytest
 
 @pytest.mark.parallel(world_size=2)
-@pytest.mark.parametrize("x", [random.random()], ids=["x"])
+@pytest.mark.parametrize("x", [(random.random(), lambda: 0)], ids=["x"])
 def test_random(x):
     pass
 """
@@ -119,24 +121,37 @@ def test_random(x):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         [
-            "*the ranks collected different tests: test 1 of rank 0 is test_random.py::test_random[[]x[]] with x=0.*"
+            "*the ranks collected different tests: test 1 of rank 0 is test_random.py::test_random[[]x[]] "
+            "with x=(0.*. The controller's values of [[]'x'[]] cannot be sent to the ranks (x: *pickle*): "
+            "parametrize over values that are the same in every process*"
         ]
     )
 
 
 def test_one_test_collected_differently_fails_alone(pytester: pytest.Pytester) -> None:
-    """A process-dependent parameter fails its own test, naming the difference; the other
+    """A process-dependent parameter that cannot be sent fails its own test, naming the
+    difference; one that can be sent is the controller's on every rank (issue 38); the other
     tests of the file (same on every rank) still run, and the pool starts once, not per test."""
     pytester.makepyfile(
         test_mixed="""
 import os, random
 import pytest
+import torch.distributed as dist
 from parallelctx import gpc, ParallelMode
 
+X = random.random()
+
 @pytest.mark.parallel(world_size=2)
-@pytest.mark.parametrize("x", [random.random()], ids=["x"])
+@pytest.mark.parametrize("x", [(random.random(), lambda: 0)], ids=["x"])
 def test_random(x):
     pass
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("x", [X], ids=["x"])
+def test_random_sent(x):
+    seen = [None, None]
+    dist.all_gather_object(seen, x)
+    assert seen == [x, x] and x != X  # the controller's value, not the one this rank drew
 
 @pytest.mark.parallel(world_size=2)
 @pytest.mark.parametrize("y", [random.random()])
@@ -151,13 +166,14 @@ def test_same_on_every_rank(n):
 """
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", timeout=300)
-    result.assert_outcomes(failed=2, passed=2)
+    result.assert_outcomes(failed=2, passed=3)
     result.stdout.fnmatch_lines_random(
         [
             "*test_random[[]x[]] FAILED*",
+            "*test_random_sent[[]x[]] PASSED*",
             "*test_random_id[[]0.* FAILED*",
             "*no rank collected test_mixed.py::test_random_id[[]0.*[]] (the ranks collected different tests: *",
-            "*the ranks collected test_mixed.py::test_random[[]x[]] differently: rank 0 with x=0.*, rank 1 with x=0.*",
+            "*the ranks collected test_mixed.py::test_random[[]x[]] differently: rank 0 with x=(0.*, rank 1 with x=(0.*",
         ]
     )
     assert len(list(pytester.path.glob("pid-*"))) == 2  # one session process per rank for both tests

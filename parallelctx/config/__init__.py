@@ -12,11 +12,14 @@ The package by concern; no file of it imports torch:
 * :mod:`.values`: the checks of single values (integers, :func:`to_timedelta`,
   :func:`validate_init_method`, :func:`check_init_method_env`), ``DEFAULT_TIMEOUT``.
 * :mod:`.files`: reading a ``.py``, ``.json``, ``.toml`` or ``.yaml`` file into a mapping.
+* :mod:`.sections`: :func:`misplaced_section`, which top-level entry holds an owned section's
+  content under another name (``parallelism = dict(tensor=2)``, ``Seed = 3``), and the
+  ``user_sections`` override.
 * :mod:`.schema`: the pydantic models, :class:`Section`, :class:`Config` and :func:`load_config`.
 * :mod:`.args`: the checks of ``launch()``'s arguments (also ``parallelctx.args``; not
   re-exported here).
 
-Imports go one way: ``errors`` <- ``values`` <- ``schema``, and ``errors`` <- ``files`` <-
+Imports go one way: ``errors`` <- ``values`` <- ``sections`` <- ``schema``, and ``errors`` <- ``files`` <-
 ``schema``. This module re-exports the names ``parallelctx.config`` has always offered.
 """
 
@@ -38,6 +41,7 @@ from .schema import (
     load_config,
 )
 from .schema import HangReportConfig as HangReportConfig
+from .sections import misplaced_section
 from .values import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
 from .values import check_init_method_env, to_timedelta, validate_init_method
 
@@ -54,6 +58,7 @@ __all__ = [
     "Section",
     "check_init_method_env",
     "load_config",
+    "misplaced_section",
     "near_miss_section",
     "to_timedelta",
     "validate_init_method",

@@ -25,7 +25,8 @@ __all__ = [
 class ConfigError(ValueError):
     """A config that cannot be read: a missing file, a syntax error, an unsupported source, a
     structure past the limits (too deep, too large, self-referential), a key that would be
-    unreachable, or a top-level section named like a misspelt owned one (``paralel``)."""
+    unreachable, or a top-level entry that holds an owned section's content under another name
+    (``paralel = dict(tensor=2)``, ``parallelism = dict(tensor=2)``, ``Seed = 3``)."""
 
 
 OWNED_SECTIONS = ("parallel", "dist", "seed")
@@ -136,7 +137,9 @@ def _near_miss_distance(a: str, b: str) -> int:
 
 def near_miss_section(name: Any) -> str | None:
     """Return the owned section (``parallel``, ``dist``, ``seed``) that the top-level name
-    ``name`` most likely misspells, or None for a name of the user's own.
+    ``name`` most likely misspells, or None for a name of the user's own. The name alone:
+    whether a config refuses the entry depends on its value too
+    (:func:`parallelctx.config.sections.misplaced_section`: ``seeds = [1, 2]`` is kept).
 
     A near miss is, ignoring case, the owned name itself written otherwise (``Parallel``,
     ``SEED``) or one edit away: a letter left out (``paralel``, ``sed``, ``dst``), one added
@@ -146,6 +149,9 @@ def near_miss_section(name: Any) -> str | None:
     ``parralel``, ``parallal``). A replaced letter in the short names is not a near miss,
     because it makes real words (``need``, ``feed``, ``disk``, ``list``), and neither are
     ``data``, ``set``, ``seq``, ``test`` or ``distributed``.
+
+    Returns:
+        The owned section's name, or None.
     """
     if not isinstance(name, str) or name in OWNED_SECTIONS:
         return None

@@ -27,10 +27,10 @@ from .errors import (
     ConfigError,
     ConfigValidationError,
     _shown,
-    near_miss_section,
     validation_error,
 )
 from .files import read_config_file
+from .sections import misplaced_section, user_sections
 from .values import (
     DEFAULT_TIMEOUT,
     _as_int,
@@ -503,10 +503,14 @@ class Config(Section):
     Raises:
         ConfigValidationError: a bad value in ``parallel``, ``dist`` or ``seed`` (also a pydantic
             ``ValidationError``); the error names the key path and what would be valid.
-        ConfigError: a top-level name near an owned one (``paralel``, ``Seed``; see
-            :func:`near_miss_section`); ``data`` is not a mapping; it nests deeper than 64 levels, holds more than a
-            million values or contains itself (see :mod:`parallelctx.limits`); or a key is named
-            like a section method (``items``, ``keys``, ``values``, ``get``...).
+        ConfigError: a top-level entry that holds an owned section's content under another
+            name (``parallelism = dict(tensor=2, pipeline=2)``, ``paralel = dict(...)``,
+            ``Seed = 3``; see :func:`~parallelctx.config.sections.misplaced_section`; the
+            entries listed in a top-level ``user_sections`` are never refused so);
+            ``user_sections`` is not a list of names; ``data`` is not a mapping; it nests
+            deeper than 64 levels, holds more than a million values or contains itself (see
+            :mod:`parallelctx.limits`); or a key is named like a section method (``items``,
+            ``keys``, ``values``, ``get``...).
     """
 
     __slots__ = ("dist", "parallel", "seed")
@@ -524,21 +528,16 @@ class Config(Section):
                 f"a config must be a mapping, a Config or a file path, not {type(data).__name__}"
             )
         _check_tree(data)
-        for key in data:
-            near = near_miss_section(key)
-            if near is not None and key == near.upper() and near in data:
+        own = user_sections(data)
+        for key, value in data.items():
+            if key in own:
+                continue
+            misplaced = misplaced_section(key, value)
+            if misplaced is None:
+                continue
+            if misplaced.by_name and key == misplaced.section.upper() and misplaced.section in data:
                 continue  # a constant in capitals beside its section (SEED = 42; seed = SEED)
-            if near is not None:
-                constant = (
-                    f"; a constant in capitals is kept beside its section ({near} = {key})"
-                    if key == near.upper()
-                    else ""
-                )
-                raise ConfigError(
-                    f"config: top-level section {_shown(key)} is not read by parallelctx; did you mean "
-                    f"{near!r}? (names this close to parallel, dist or seed are refused, so that a typo "
-                    f"cannot run the job with the defaults; give a section of your own another name{constant})"
-                )
+            raise ConfigError(misplaced.message(frozenset(k for k in OWNED_SECTIONS if k in data)))
         try:
             owned = _Owned.model_validate({k: data[k] for k in OWNED_SECTIONS if k in data})
         except ValidationError as exc:
@@ -583,7 +582,8 @@ class Config(Section):
                 the file and line), or holds a structure past the limits (too deep, too large,
                 self-referential); every message names the file.
             ConfigValidationError: a bad value in an owned section (the message names the file).
-                A top-level section named like a misspelt owned one is a ConfigError.
+                A top-level entry that holds an owned section's content under another name
+                (``parallelism``, ``paralel``) is a ConfigError.
         """
         path = Path(path)
         data = read_config_file(path)
@@ -605,7 +605,8 @@ def load_config(config: ConfigLike) -> Config:
     Raises:
         ConfigError: an unreadable file or an unsupported type.
         ConfigValidationError: a bad value in an owned section (a pydantic ValidationError too).
-        ConfigError: also a section named like a misspelt owned one (``paralel``).
+        ConfigError: also a top-level entry that holds an owned section's content under another
+            name (``parallelism = dict(tensor=2)``, ``paralel = dict(...)``).
     """
     if isinstance(config, Config):
         return config

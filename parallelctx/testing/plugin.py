@@ -505,7 +505,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     marker = pyfuncitem.get_closest_marker("parallel")
     if marker is None or pyfuncitem.config.stash.get(_ON_RANK, False):
         return None
-    from .rank import params_of
+    from .rank import WAY_ROUND, pack_params
     from .report import raise_for
 
     found = pyfuncitem.callspec.params.get(LAYOUT_ARG) if hasattr(pyfuncitem, "callspec") else None
@@ -541,7 +541,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         problem = f"could not start a pool of {world_size} ranks: {exc}"
     if problem:
         pytest.fail(problem, pytrace=False)
-    problem = pool.collection_problem(pyfuncitem.nodeid)
+    sent, unsent = pack_params(pyfuncitem)
+    # the ranks take the values sent: only those that could not be sent must agree across ranks
+    problem = pool.collection_problem(pyfuncitem.nodeid, compare_params=bool(unsent))
+    if problem and unsent:
+        reasons = "; ".join(f"{name}: {reason}" for name, (_, reason) in sorted(unsent.items()))
+        problem += (
+            f". The controller's values of {sorted(unsent)} cannot be sent to the ranks ({reasons}): "
+            f"{WAY_ROUND}"
+        )
     if problem:  # this test's parameters depend on the process: it fails, the others run
         pytest.fail(problem, pytrace=False)
     spec = {
@@ -554,7 +562,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "tmp_path": str(_test_folder(pyfuncitem)),
         "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
         "next": pyfuncitem.stash.get(_NEXT, None),
-        "params": params_of(pyfuncitem),
+        "param_values": sent,
+        "param_unsent": unsent,
     }
     try:
         outcome = pool.run(spec, timeout)
@@ -591,9 +600,11 @@ def _run_simulated(
     reports are checked across ranks (:func:`parallelctx.cli.sweep.check_all`)."""
     from ..cli.sweep import check_all
     from .pool import PoolError
+    from .rank import pack_params
     from .report import raise_for
 
     pools: PoolSet = item.config.stash[_POOLS]
+    sent, unsent = pack_params(item)
     size = min(len(ranks), SIMULATE_POOL_SIZE)
     reports: dict[int, Any] = {}
     for start in range(0, len(ranks), size):
@@ -607,6 +618,8 @@ def _run_simulated(
             "cwd": str(Path.cwd()),
             "tmp_path": str(_test_folder(item)),
             "simulate": {"world_size": world_size, "ranks": batch},
+            "param_values": sent,
+            "param_unsent": unsent,
         }
         try:
             pool = pools.get(size)

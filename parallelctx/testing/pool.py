@@ -186,7 +186,8 @@ class Pool:
 
     def environment(self, base: Mapping[str, str]) -> dict[str, str]:
         """The environment a rank gets from the controller's ``base``: launcher variables
-        dropped, PYTHONHASHSEED fixed (the controller's, else 0), one OpenMP thread that sleeps when idle
+        dropped, PYTHONHASHSEED fixed (the controller's number, else 0, also for ``random``),
+        one OpenMP thread that sleeps when idle
         unless set, no GPU on a CPU pool (on a GPU pool, CUDA
         availability asked of NVML), and this package importable.
 
@@ -199,8 +200,10 @@ class Pool:
         if package_root not in paths:
             env["PYTHONPATH"] = os.pathsep.join([package_root, *paths])
         env["PYTHONUNBUFFERED"] = "1"
-        # every rank iterates sets and dicts of str alike, so parametrize values agree
-        env["PYTHONHASHSEED"] = base.get("PYTHONHASHSEED") or "0"
+        # every rank iterates sets and dicts of str alike, so test code (and parametrize values
+        # that cannot be sent from the controller) agree; "random" would give each rank its own
+        seed = base.get("PYTHONHASHSEED", "").strip()
+        env["PYTHONHASHSEED"] = seed if seed and seed != "random" else "0"
         env.setdefault("OMP_NUM_THREADS", "1")
         # N ranks share the cores: OpenMP threads that spin after each parallel region (libgomp's
         # default) steal them from the peers (a conftest's set_num_threads(2) made tests 2-4x slower)
@@ -265,9 +268,12 @@ class Pool:
             conn.send(("session", {**session, "basetemp": str(self.dir / f"rank{rank}-tmp")}))
         self.open_session()
 
-    def collection_problem(self, nodeid: str) -> str:
+    def collection_problem(self, nodeid: str, compare_params: bool = True) -> str:
         """Whether the ranks collected ``nodeid`` differently (with other parameter values, or
-        only some of them): a problem of that test alone, so the others still run.
+        only some of them): a problem of that test alone, so the others still run. With
+        ``compare_params`` False (every parameter value of the test is sent from the controller,
+        which the ranks take: :func:`~parallelctx.testing.rank.take_params`) only whether each
+        rank collected the test counts.
 
         Returns:
             The message that names each rank's version and the first difference between the
@@ -275,8 +281,12 @@ class Pool:
             while the ranks' collections agree: the rank then reports its collection errors).
         """
         found = {r: dict(items).get(nodeid) for r, items in sorted(self.collected.items())}
+        collected = self.collected
+        if not compare_params:
+            found = {r: None if v is None else "" for r, v in found.items()}
+            collected = {r: [(n, "") for n, _ in items] for r, items in self.collected.items()}
         try:
-            check_same_collection(self.collected)
+            check_same_collection(collected)
             first = ""
         except PoolError as exc:
             first = f" ({exc})"

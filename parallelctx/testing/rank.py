@@ -10,6 +10,8 @@ markers, ``filterwarnings``, ``monkeypatch``, ``capsys``, ``caplog``, ``request`
 the rank). :class:`RankPlugin` launches ``gpc`` before a test's fixtures (or, when the previous
 test had the same config, keeps it and seeds it anew) and records what happened in each phase;
 the process state pytest does not restore is put back after each test (:class:`_State`).
+A test runs with the controller's parameter values, sent with it where they pickle
+(:func:`pack_params`, :func:`take_params`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import pickle
 import re
 import sys
 import time
@@ -32,13 +35,17 @@ import torch
 from . import balance
 
 __all__ = [
+    "MAX_PARAM_BYTES",
     "PEER_LOSS_PATTERNS",
     "RANK_PLUGIN_NAME",
+    "WAY_ROUND",
     "RankPlugin",
     "is_peer_loss",
+    "pack_params",
     "params_of",
     "run_session",
     "start_session",
+    "take_params",
 ]
 
 #: Name under which :class:`RankPlugin` is registered; the main plugin checks it to know it runs
@@ -78,8 +85,21 @@ _RANK_OPTIONS: dict[str, Any] = {
     "exitfirst": False,
     "maxfail": 0,
 }
+#: The most bytes one parameter value of a test may take pickled to be sent to the ranks
+#: (:func:`pack_params`); a larger one is compared by its text, as one that does not pickle.
+MAX_PARAM_BYTES = 16 * 2**20
 #: Object addresses in a repr, which differ from process to process.
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _param_text(value: Any) -> str:
+    """``repr(value)`` without object addresses, at most 300 characters (a repr that raises is
+    still a value: the text says which exception)."""
+    try:
+        text = repr(value)
+    except Exception as exc:
+        text = f"<repr raised {type(exc).__name__}>"
+    return _ADDRESS.sub("", text)[:300]
 
 
 def params_of(item: pytest.Item) -> str:
@@ -92,14 +112,95 @@ def params_of(item: pytest.Item) -> str:
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return ""
-    parts = []
-    for name in sorted(callspec.params):
+    return ", ".join(f"{name}={_param_text(callspec.params[name])}" for name in sorted(callspec.params))
+
+
+def _pickled(value: Any) -> tuple[bytes | None, str]:
+    """``(pickle of value, "")``, or ``(None, why it cannot be sent)``."""
+    try:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # pickle raises PicklingError, TypeError, AttributeError...
+        return None, f"{type(exc).__name__}: {exc}"
+    if len(data) > MAX_PARAM_BYTES:
+        return None, f"{len(data)} bytes pickled, more than the {MAX_PARAM_BYTES} a parameter may send"
+    return data, ""
+
+
+def pack_params(item: pytest.Item) -> tuple[dict[str, bytes], dict[str, tuple[str, str]]]:
+    """The controller's parameter values of ``item``, to send to its ranks (:func:`take_params`):
+    each value pickled where it can be, else its text (as :func:`params_of` shows it) and why it
+    cannot be sent (a lambda, a generator, a value over :data:`MAX_PARAM_BYTES` pickled).
+
+    Returns:
+        ``(sent, unsent)``: ``{name: pickled value}`` and ``{name: (text, reason)}``; both empty
+        for a test without parameters.
+    """
+    callspec = getattr(item, "callspec", None)
+    sent: dict[str, bytes] = {}
+    unsent: dict[str, tuple[str, str]] = {}
+    for name, value in (callspec.params if callspec is not None else {}).items():
+        data, reason = _pickled(value)
+        if data is None:
+            unsent[name] = (_param_text(value), reason)
+        else:
+            sent[name] = data
+    return sent, unsent
+
+
+#: What to do when a parameter differs between the controller and a rank and cannot be sent.
+WAY_ROUND = (
+    "parametrize over values that are the same in every process: a sorted list "
+    "(sorted({...})) rather than a set, PYTHONHASHSEED set for the pytest run, or a value that "
+    "pickles (a module-level function rather than a lambda), which the ranks then take from the "
+    "controller"
+)
+
+
+def take_params(
+    item: pytest.Item, sent: dict[str, bytes], unsent: dict[str, tuple[str, str]], rank: int
+) -> str:
+    """Give ``item`` (this rank's collection of the test) the controller's parameter values
+    (:func:`pack_params`), so that the test runs with the values of the test id the controller
+    reports even where collecting them again gives others (a set's order under another hash
+    seed, a random value). A sent value replaces this rank's in ``item.callspec.params`` (so
+    the test's arguments, ``request.param`` of indirect and fixture parameters and
+    ``request.node.callspec`` all have it) unless it pickles to the same bytes as this rank's,
+    which is then kept (the same object as the module's, for tests that compare by identity).
+    A value that could not be sent must equal this rank's by its text.
+
+    Returns:
+        "" when the values are the controller's; otherwise the problem: the parameter, both
+        values, why it was not sent (or could not be read here) and the way round.
+    """
+    callspec = getattr(item, "callspec", None)
+    params: dict[str, Any] = callspec.params if callspec is not None else {}
+    if set(params) != set(sent) | set(unsent):
+        return (
+            f"rank {rank} collected {item.nodeid} with parameters {sorted(params)}, the controller with "
+            f"{sorted(set(sent) | set(unsent))}: the ranks collect the test files themselves; "
+            f"{WAY_ROUND}"
+        )
+    for name, data in sent.items():
+        if _pickled(params[name])[0] == data:
+            continue
         try:
-            text = repr(callspec.params[name])
-        except Exception as exc:  # a repr that raises is still a value; say which
-            text = f"<repr raised {type(exc).__name__}>"
-        parts.append(f"{name}={_ADDRESS.sub('', text)[:300]}")
-    return ", ".join(parts)
+            params[name] = pickle.loads(data)
+        except Exception as exc:
+            return (
+                f"rank {rank} could not read the controller's value of parameter {name!r} of {item.nodeid} "
+                f"({type(exc).__name__}: {exc}), and its own differs: {name}={_param_text(params[name])}; "
+                f"{WAY_ROUND}"
+            )
+    for name, (text, reason) in unsent.items():
+        mine = _param_text(params[name])
+        if mine != text:
+            seed = os.environ.get("PYTHONHASHSEED", "")
+            return (
+                f"rank {rank} collected {item.nodeid} with {name}={mine}, the controller with {name}={text}, "
+                f"and the controller's value cannot be sent to the ranks ({reason}; the ranks run with "
+                f"PYTHONHASHSEED={seed!r}); {WAY_ROUND}"
+            )
+    return ""
 
 
 def is_peer_loss(message: str) -> bool:
@@ -461,21 +562,20 @@ def _run_one(
     _apply_environment(spec)
     item = items.get(spec["nodeid"])
     if item is None:
-        errors = "\n".join(plugin.collect_errors) or "no collection error was reported"
+        errors = "\n".join(plugin.collect_errors) or (
+            "no collection error was reported: the test's id may hold a value that differs from process "
+            "to process (a random value, the order of a set; the ranks run with "
+            f"PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')!r}); give parametrize ids= that do not "
+            "depend on the process"
+        )
         return _failed(
             rank,
             f"rank {rank} could not collect {spec['nodeid']}",
             f"rank {rank} could not collect {spec['nodeid']}:\n{errors}",
         )
-    mine = params_of(item)
-    if spec.get("params") is not None and mine != spec["params"]:
-        return _failed(
-            rank,
-            f"rank {rank} collected {spec['nodeid']} with other parameter values than the controller: "
-            f"controller {spec['params']!r}, rank {rank} {mine!r} (parametrize over a set or another "
-            f"hash-ordered value? the ranks run with PYTHONHASHSEED={os.environ.get('PYTHONHASHSEED', '')!r}; "
-            "the controller's differs: set PYTHONHASHSEED for the pytest run, or parametrize over a sorted list)",
-        )
+    problem = take_params(item, spec.get("param_values") or {}, spec.get("param_unsent") or {}, rank)
+    if problem:
+        return _failed(rank, problem)
     state = _State()
     plugin.begin(spec, port)
     capman = session.config.pluginmanager.get_plugin("capturemanager")
