@@ -26,17 +26,50 @@ method for its own sequence-parallel helper and then ignores its data-parallel g
 It imports nothing from DeepSpeed; the answers are read from gpc at each call, so a
 ``gpc.destroy()`` makes every later question raise ``NotLaunchedError`` instead of answering
 with torn-down groups.
+
+ZeRO-3 partitions each parameter over the group it was built in, so with context parallelism the
+model must be built under :func:`zero_init` (``deepspeed.zero.Init`` on gpc's data × context group,
+its dtype given through the config). The engine checks it: when DeepSpeed's engine, while it is
+being built, asks the mpu for the sequence-data-parallel group, :func:`check_zero_partitions`
+runs on the engine's model and a parameter partitioned over another group (or, with context > 1,
+not built under ``zero.Init`` at all) raises :class:`ZeroPartitionError` out of
+``deepspeed.initialize``, naming the parameter, the two groups and the fix.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
 
 from .planning.layout import ParallelMode
 
-__all__ = ["DeepSpeedMPU", "mpu"]
+if TYPE_CHECKING:
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+__all__ = ["DeepSpeedMPU", "ZeroPartitionError", "check_zero_partitions", "mpu", "zero_init"]
 
 M = ParallelMode
+
+FIX = "with parallelctx.deepspeed.zero_init(config): model = ..."
+"""The recipe every ZeRO-3 refusal names (docs/engines.md#deepspeed)."""
+
+_SECTIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""The DeepSpeed config section that makes ``zero.Init`` build parameters of each half dtype."""
+
+
+_SET_BY_ZERO_INIT = frozenset(
+    {"data_parallel_group", "sequence_data_parallel_group", "config_dict_or_path", "mpu"}
+)
+"""The ``deepspeed.zero.Init`` arguments :func:`zero_init` sets itself."""
+
+
+class ZeroPartitionError(ValueError):
+    """A ZeRO-3 parameter is (or would be) partitioned over a group other than gpc's data × context."""
 
 
 class DeepSpeedMPU:
@@ -137,8 +170,20 @@ class DeepSpeedMPU:
         return int(self._ctx.get_world_size(M.DATA_CONTEXT))
 
     def get_sequence_data_parallel_group(self) -> Any:
-        """The data × context process group."""
-        return self._ctx.get_group(M.DATA_CONTEXT)
+        """The data × context process group (where ZeRO partitions).
+
+        Asked by DeepSpeed's engine while it is being built, it first checks the engine's model
+        with :func:`check_zero_partitions` under ZeRO-3.
+
+        Raises:
+            ZeroPartitionError: ZeRO-3 and a parameter of the engine's model is partitioned over
+                another group, or (context > 1) was not built under ``zero.Init``.
+        """
+        group = self._ctx.get_group(M.DATA_CONTEXT)
+        engine = _engine_being_built()
+        if engine is not None and engine.zero_optimization_stage() == 3:
+            check_zero_partitions(engine.module, self._ctx)
+        return group
 
 
 def mpu(ctx: Any = None) -> DeepSpeedMPU:
@@ -153,9 +198,179 @@ def mpu(ctx: Any = None) -> DeepSpeedMPU:
     Raises:
         NotLaunchedError: the context is not launched (launch gpc before ``deepspeed.initialize``).
     """
+    ctx = _context(ctx)
+    ctx.get_global_rank()  # raises NotLaunchedError, naming the fix, before DeepSpeed sees the object
+    return DeepSpeedMPU(ctx)
+
+
+def _context(ctx: Any) -> Any:
+    """``ctx``, or gpc when it is None."""
     if ctx is None:
         from .context import gpc
 
-        ctx = gpc
-    ctx.get_global_rank()  # raises NotLaunchedError, naming the fix, before DeepSpeed sees the object
-    return DeepSpeedMPU(ctx)
+        return gpc
+    return ctx
+
+
+def _engine_being_built(depth: int = 4) -> Any:
+    """The ``DeepSpeedEngine`` whose ``_configure_distributed_model`` called the mpu, or None.
+
+    DeepSpeed hands the mpu no model; the engine under construction (its ``module`` already set)
+    is the ``self`` of that method a frame or two up (DeepSpeed 0.19.8). Anywhere else (a user's
+    call, a later call of the engine, DeepSpeed not imported) there is none and nothing is checked.
+    """
+    engine_module = sys.modules.get("deepspeed.runtime.engine")
+    if engine_module is None:
+        return None
+    frame = sys._getframe(1).f_back  # skip this function and the mpu method
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_configure_distributed_model":
+            engine = frame.f_locals.get("self")
+            if isinstance(engine, engine_module.DeepSpeedEngine) and "module" in engine.__dict__:
+                return engine
+        frame = frame.f_back
+    return None
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``ranks`` for a message: whole up to 16, else the first 8 and the count."""
+    if len(ranks) <= 16:
+        return str(ranks)
+    return f"[{', '.join(map(str, ranks[:8]))}, ...] ({len(ranks)} ranks)"
+
+
+def check_zero_partitions(model: torch.nn.Module, ctx: Any = None) -> None:
+    """Check that ZeRO-3 partitions every parameter of ``model`` over gpc's data × context group.
+
+    ZeRO-3 all-gathers a parameter and reduce-scatters its gradient over the group it was built
+    in (``param.ds_process_group``, set by ``deepspeed.zero.Init``); a parameter built without
+    ``zero.Init`` is partitioned by ``deepspeed.initialize`` over ``mpu.get_data_parallel_group()``,
+    gpc's DATA group, which leaves out the context ranks. DeepSpeed-MoE expert parameters
+    (``param.allreduce = False``) keep their own groups and are not checked. DeepSpeed's engine
+    runs this check itself under ZeRO-3 with ``mpu=parallelctx.deepspeed.mpu()``.
+
+    Args:
+        model: the model, after it was built (under :func:`zero_init` for ZeRO-3).
+        ctx: the parallel context (default: ``gpc``).
+
+    Raises:
+        ZeroPartitionError: a parameter is partitioned over a group whose ranks are not this rank's
+            data × context group, or, with context > 1, a parameter was not built under
+            ``zero.Init``; the message names the parameter, the groups and the fix.
+        NotLaunchedError: the context is not launched.
+    """
+    ctx = _context(ctx)
+    want = sorted(ctx.get_ranks_in_group(M.DATA_CONTEXT))
+    context = int(ctx.get_world_size(M.CONTEXT))
+    for name, param in model.named_parameters():
+        if getattr(param, "allreduce", True) is False:  # DeepSpeed-MoE: an expert's own groups
+            continue
+        group = getattr(param, "ds_process_group", None)
+        if not hasattr(param, "ds_id") or group is None:
+            if context > 1:
+                raise ZeroPartitionError(
+                    f"ZeRO-3 with context {context}: parameter {name!r} was not built under "
+                    f"zero.Init, so DeepSpeed would partition it over gpc's data group "
+                    f"{_ranks_text(sorted(ctx.get_ranks_in_group(M.DATA)))} and never reduce its "
+                    f"gradient over the context ranks {_ranks_text(sorted(ctx.get_ranks_in_group(M.CONTEXT)))}"
+                    f" (the context ranks drift apart); build the model under `{FIX}`"
+                )
+            continue
+        ranks = sorted(dist.get_process_group_ranks(group))
+        if ranks != want:
+            raise ZeroPartitionError(
+                f"ZeRO-3: parameter {name!r} is partitioned over ranks {_ranks_text(ranks)} (the "
+                f"group zero.Init was given), not over gpc's data × context group "
+                f"{_ranks_text(want)}, so its gradient would be reduced over the wrong ranks; build "
+                f"the model under `{FIX}`, which partitions over gpc's data × context group"
+            )
+
+
+def zero_init(
+    config: Mapping[str, Any] | str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    ctx: Any = None,
+    **kwargs: Any,
+) -> Init:
+    """Return ``deepspeed.zero.Init`` on gpc's data × context group: build a ZeRO-3 model under it.
+
+    ``with parallelctx.deepspeed.zero_init(config): model = MyModel()`` partitions every parameter
+    over gpc's DATA_CONTEXT group (the group DeepSpeed's engine reduces over, with or without
+    context parallelism), reads ``config`` with ``mpu=mpu(ctx)`` as ``deepspeed.initialize`` will,
+    and builds parameters of the dtype the config gives: bfloat16 with an enabled ``bf16``
+    section, float16 with ``fp16``, float32 without either. ``dtype`` is checked against the
+    config (or, with no config, makes one with that dtype) and never handed to ``zero.Init``,
+    whose ``dtype=`` DeepSpeed 0.19.8 replaces with bfloat16 on a CPU without fp16 support.
+
+    Args:
+        config: the DeepSpeed config given to ``deepspeed.initialize`` (a dict or a file path);
+            default: a minimal ZeRO-3 one.
+        dtype: the parameters' dtype (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``);
+            default: the config's.
+        ctx: the parallel context (default: ``gpc``).
+        **kwargs: further ``deepspeed.zero.Init`` arguments (``module=``, ``remote_device=``...).
+
+    Returns:
+        The ``deepspeed.zero.Init`` context manager.
+
+    Raises:
+        TypeError: ``kwargs`` holds ``data_parallel_group``, ``sequence_data_parallel_group``,
+            ``config_dict_or_path`` or ``mpu`` (zero_init sets them).
+        ValueError: ``dtype`` is not one of the three, or differs from the config's.
+        ImportError: DeepSpeed is not installed (the optional extra ``deepspeed``).
+        NotLaunchedError: the context is not launched.
+        RuntimeError: DeepSpeed's ``zero.Init`` would build another dtype than the config's.
+    """
+    own = sorted(_SET_BY_ZERO_INIT & set(kwargs))
+    if own:
+        raise TypeError(
+            f"zero_init() sets {', '.join(own)} itself (gpc's data × context group, its mpu, the "
+            "config as its first argument); for another group call deepspeed.zero.Init directly"
+        )
+    if dtype is not None and dtype not in (torch.float32, *_SECTIONS):
+        raise ValueError(
+            f"zero_init(dtype={dtype}): ZeRO-3 builds torch.float32, torch.bfloat16 or torch.float16 parameters"
+        )
+    ctx = _context(ctx)
+    unit = mpu(ctx)
+    try:
+        import deepspeed
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except ImportError as exc:
+        raise ImportError(
+            f"parallelctx.deepspeed.zero_init needs DeepSpeed ({exc}): install the optional extra "
+            "'deepspeed' (docs/engines.md#deepspeed)"
+        ) from None
+    if config is None:
+        config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+        if dtype in _SECTIONS:
+            config[_SECTIONS[dtype]] = {"enabled": True}
+    if isinstance(config, Mapping):
+        config = copy.deepcopy(dict(config))  # DeepSpeed keeps (and may change) the dict it reads
+    parsed = DeepSpeedConfig(copy.deepcopy(config), unit)
+    gives = (
+        torch.bfloat16
+        if parsed.bfloat16_config.enabled
+        else torch.float16
+        if parsed.float16_config.enabled
+        else torch.float32
+    )
+    if dtype is not None and dtype != gives:
+        section = _SECTIONS.get(dtype)
+        fix = f"enable its {section!r} section" if section else "drop its bf16 / fp16 section"
+        raise ValueError(
+            f"zero_init(dtype={dtype}): the config gives {gives} parameters, and deepspeed.initialize "
+            f"trains with the same config; {fix}, or leave dtype out"
+        )
+    init = deepspeed.zero.Init(
+        data_parallel_group=ctx.get_group(M.DATA_CONTEXT), config_dict_or_path=config, mpu=unit, **kwargs
+    )
+    if init.dtype != gives:
+        raise RuntimeError(
+            f"deepspeed.zero.Init would build {init.dtype} parameters where the config gives {gives} "
+            f"(DeepSpeed {deepspeed.__version__}; parallelctx.deepspeed is tested with 0.19.8)"
+        )
+    return init

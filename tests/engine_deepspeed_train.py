@@ -4,16 +4,24 @@ mpu=parallelctx.deepspeed.mpu())`` with a tensor=2 model; each rank writes what 
 Then ZeRO-2 with the gradient norm clipped (the norm summed over gpc's model-parallel group),
 ZeRO-2 again with tensor=2 × pipeline=2 (each pipeline stage a replica here: the
 four model-parallel ranks name four checkpoint files), and ZeRO-2 and ZeRO-3 with tensor=2 ×
-context=2 in the order "cp-tp-dp-pp" (DeepSpeed's sequence parallelism on gpc's context axis).
+context=2 in the order "cp-tp-dp-pp" (DeepSpeed's sequence parallelism on gpc's context axis):
+ZeRO-3 built under ``parallelctx.deepspeed.zero_init``, twice, with DeepSpeed's answer to "does
+this CPU support fp16?" forced to False and to True. Then, in the same layout (a second file per
+rank): the dtypes ``zero_init`` builds under either answer, the wrong ZeRO-3 builds
+``deepspeed.initialize`` refuses, and what a model built without ``zero_init`` would have trained
+(the refusal switched off).
 
 Usage: torchrun --standalone --nproc-per-node 8 tests/engine_deepspeed_train.py OUT_DIR
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -22,19 +30,20 @@ import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from deepspeed.accelerator import get_accelerator
 from engine_models import STEPS, TPMLP, batches, check_equals_serial, my_share
 
 import parallelctx
 import parallelctx.deepspeed
 from parallelctx import ParallelMode, gpc
+from parallelctx.deepspeed import DeepSpeedMPU, ZeroPartitionError, zero_init
 
 CLIP = 0.05
 
 
-def train(stage: int, out: Path, clip: float = 0.0) -> dict:
-    """Train 3 steps under ZeRO ``stage`` (gradient norm clipped to ``clip`` when > 0); save a
-    DeepSpeed checkpoint; return this rank's record."""
-    config = {
+def ds_config(stage: int, clip: float = 0.0) -> dict:
+    """The DeepSpeed config of every run here (float32: no bf16 / fp16 section)."""
+    return {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage},
@@ -42,19 +51,52 @@ def train(stage: int, out: Path, clip: float = 0.0) -> dict:
         "gradient_clipping": clip,
         "steps_per_print": 1000,
     }
-    if stage == 3 and gpc.context.size > 1:
-        # ZeRO-3 partitions (and reduce-scatters) each parameter over the group it was made in,
-        # mpu.get_data_parallel_group() (DATA) unless built under zero.Init with another: with
-        # sequence parallelism that must be DATA_CONTEXT (docs/engines.md). The config, not
-        # dtype=torch.float32, gives the dtype: DeepSpeed 0.19.8's zero.Init turns an explicit
-        # dtype into bfloat16 on a CPU without mkldnn fp16 (an AMD EPYC here)
-        with deepspeed.zero.Init(
-            data_parallel_group=gpc.get_group(ParallelMode.DATA_CONTEXT), config_dict_or_path=config
-        ):
+
+
+@contextlib.contextmanager
+def fp16_support(answer: bool | None) -> Iterator[None]:
+    """Inside, DeepSpeed's accelerator answers ``answer`` to ``is_fp16_supported()`` (None: the CPU's
+    own answer). DeepSpeed 0.19.8's zero.Init picks bfloat16 over an explicit dtype when it is False."""
+    accelerator = get_accelerator()
+    if answer is not None:
+        accelerator.is_fp16_supported = lambda: answer
+    try:
+        yield
+    finally:
+        accelerator.__dict__.pop("is_fp16_supported", None)
+
+
+class UncheckedMPU(DeepSpeedMPU):
+    """gpc's mpu without the ZeRO-3 partition check: what a wrong build would have trained."""
+
+    def get_sequence_data_parallel_group(self) -> object:
+        return self._ctx.get_group(ParallelMode.DATA_CONTEXT)
+
+
+def train(stage: int, out: Path, clip: float = 0.0, fp16: bool | None = None, checked: bool = True) -> dict:
+    """Train 3 steps under ZeRO ``stage`` (gradient norm clipped to ``clip`` when > 0; DeepSpeed's
+    fp16 answer forced to ``fp16`` unless None); save a DeepSpeed checkpoint; return this rank's
+    record. ZeRO-3 with context > 1 builds the model under ``zero_init``; with ``checked`` False
+    it builds it plainly and trains with the partition check off, without comparing (the
+    record's ``worst`` says how far from the serial run it went)."""
+    with fp16_support(fp16):
+        return _train(stage, out, clip, fp16, checked)
+
+
+def _train(stage: int, out: Path, clip: float, fp16: bool | None, checked: bool) -> dict:
+    config = ds_config(stage, clip)
+    built = "plain"
+    if stage == 3 and checked:
+        # ZeRO-3 partitions (and reduce-scatters) each parameter over the group it was made in:
+        # DATA_CONTEXT (with sequence parallelism more than DATA), which zero_init gives, in
+        # float32 whatever DeepSpeed thinks of the CPU's fp16 support (docs/engines.md)
+        with zero_init(config, dtype=torch.float32 if fp16 is False else None):
             model = TPMLP()
+        built = "zero_init"
     else:
         model = TPMLP()
-    mpu = parallelctx.deepspeed.mpu()
+    param_dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    mpu = parallelctx.deepspeed.mpu() if checked else UncheckedMPU(gpc)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=mpu)
     assert engine.dp_world_size == gpc.data.size, (engine.dp_world_size, gpc.data.size)
@@ -75,15 +117,21 @@ def train(stage: int, out: Path, clip: float = 0.0) -> dict:
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
         mine = {n: p.detach().clone() for n, p in zip(names, params)}
-    worst = check_equals_serial(mine, clip=clip or None, replicas=replicas)
+    worst = check_equals_serial(
+        mine, atol=1e-6 if checked else math.inf, clip=clip or None, replicas=replicas
+    )
     # where ZeRO partitions and reduces: ZeRO-3 each parameter's own group, ZeRO-1/2 the engine's
     group = params[0].ds_process_group if stage == 3 else engine.seq_data_parallel_group
     ckpt = out / f"zero{stage}-tp{gpc.tensor.size}-pp{gpc.pipeline.size}-cp{gpc.context.size}-clip{clip}"
+    ckpt = ckpt.with_name(f"{ckpt.name}-fp16{fp16}-{built}")
     engine.save_checkpoint(str(ckpt), tag="t")
     dist.barrier()
     record = {
         "stage": stage,
         "clip": clip,
+        "built": built,
+        "fp16_supported": fp16,
+        "param_dtypes": param_dtypes,
         "layout": [gpc.tensor.size, gpc.pipeline.size, gpc.data.size],
         "context": gpc.context.size,
         "order": gpc.config.parallel.order,
@@ -115,6 +163,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     records = [train(stage, out) for stage in (1, 2, 3)]
+    accepted = accepts_a_plain_build()  # context 1: DeepSpeed partitions it over DATA = DATA_CONTEXT
     # clipping: DeepSpeed sums the gradient norm over gpc's data and model-parallel groups
     records.append(train(2, out, clip=CLIP))
     # checkpoint names follow gpc's model-parallel rank (tensor × pipeline): 4 model shards here
@@ -128,9 +177,74 @@ def main() -> None:
     parallelctx.launch_from_torch(
         dict(parallel=dict(tensor=2, context=2, order="cp-tp-dp-pp"), dist=dict(timeout=300))
     )
-    records += [train(stage, out) for stage in (2, 3)]
+    records += [train(2, out), train(3, out, fp16=False), train(3, out, fp16=True)]
     Path(out, f"rank-{gpc.get_global_rank()}.json").write_text(json.dumps(records))
+    checks = {"accepted_context_1": accepted, "dtypes": zero_init_dtypes(), "refused": refusals()}
+    checks["unchecked"] = train(3, out, checked=False)
+    Path(out, f"rank-{gpc.get_global_rank()}-zero3.json").write_text(json.dumps(checks))
     gpc.destroy()
+
+
+def zero_init_dtypes() -> dict[str, str]:
+    """The parameter dtype each way of building under ZeRO-3 gives, with DeepSpeed's fp16 answer
+    forced each way: ``zero_init`` with the float32 config, with no config and each ``dtype``, and
+    DeepSpeed's own ``zero.Init(dtype=torch.float32)``; ``refused`` what zero_init says to a dtype
+    its config contradicts."""
+    config = ds_config(3)
+    seen = {}
+    for fp16 in (False, True):
+        with fp16_support(fp16):
+            ways = {
+                "zero_init(config)": lambda: zero_init(config),
+                "zero_init(config, dtype=torch.float32)": lambda: zero_init(config, dtype=torch.float32),
+                "zero_init(dtype=torch.float32)": lambda: zero_init(dtype=torch.float32),
+                "zero_init(dtype=torch.bfloat16)": lambda: zero_init(dtype=torch.bfloat16),
+                "zero.Init(dtype=torch.float32)": lambda: deepspeed.zero.Init(
+                    data_parallel_group=gpc.get_group(ParallelMode.DATA_CONTEXT), dtype=torch.float32
+                ),
+            }
+            for way, init in ways.items():
+                with init():
+                    model = TPMLP()
+                seen[f"{way} fp16={fp16}"] = ",".join(sorted({str(p.dtype) for p in model.parameters()}))
+    try:
+        zero_init(config, dtype=torch.bfloat16)
+    except ValueError as exc:
+        seen["refused"] = str(exc)
+    return seen
+
+
+def accepts_a_plain_build() -> bool:
+    """Whether ``deepspeed.initialize`` under ZeRO-3 takes a model built without zero.Init."""
+    model = TPMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, config=ds_config(3), mpu=parallelctx.deepspeed.mpu()
+    )
+    engine.destroy()
+    return True
+
+
+def refusals() -> dict[str, str]:
+    """What ``deepspeed.initialize(..., mpu=parallelctx.deepspeed.mpu())`` under ZeRO-3 says to a
+    model built without zero.Init and to one built under zero.Init over the whole world."""
+    config = ds_config(3)
+    said = {}
+    for way in ("plain", "world"):
+        if way == "plain":
+            model = TPMLP()
+        else:
+            with deepspeed.zero.Init(config_dict_or_path=config):  # DeepSpeed's default group: the world
+                model = TPMLP()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            deepspeed.initialize(
+                model=model, optimizer=optimizer, config=config, mpu=parallelctx.deepspeed.mpu()
+            )
+            said[way] = "accepted"
+        except ZeroPartitionError as exc:
+            said[way] = str(exc)
+    return said
 
 
 if __name__ == "__main__":

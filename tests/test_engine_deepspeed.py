@@ -7,7 +7,10 @@ its own and raises otherwise), DeepSpeed's data-parallel world is gpc's data gro
 names its checkpoint files after gpc's model-parallel rank. Then ZeRO-2 again with tensor=2 ×
 pipeline=2: four model-parallel ranks, four ``mp_rank_XX`` files; and ZeRO-2 and ZeRO-3 with
 tensor=2 × context=2 in the order "cp-tp-dp-pp": DeepSpeed's sequence parallelism on gpc's context
-group, partitioning and reducing over gpc's data × context group.
+group, partitioning and reducing over gpc's data × context group, ZeRO-3 built under
+``parallelctx.deepspeed.zero_init`` with DeepSpeed's fp16-support answer forced each way. In the
+same processes: the dtypes ``zero_init`` builds, and ``deepspeed.initialize`` refusing the wrong
+ZeRO-3 builds by name (with the refusal switched off, such a model trains away from serial).
 """
 
 from __future__ import annotations
@@ -26,17 +29,30 @@ pytest.importorskip(
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
-    """Every rank's records, rank order: one per ZeRO run."""
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory the one torchrun of tests/engine_deepspeed_train.py wrote its files to."""
     out = tmp_path_factory.mktemp("deepspeed")
     proc = run_torchrun(8, ["tests/engine_deepspeed_train.py", str(out)], timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(8)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def records(run: Path) -> list[list[dict[str, Any]]]:
+    """Every rank's records, rank order: one per ZeRO run."""
+    return [json.loads(Path(run, f"rank-{r}.json").read_text()) for r in range(8)]
+
+
+@pytest.fixture(scope="module")
+def zero3(run: Path) -> list[dict[str, Any]]:
+    """Every rank's ZeRO-3 checks (tensor=2 × context=2, "cp-tp-dp-pp"), rank order."""
+    return [json.loads(Path(run, f"rank-{r}-zero3.json").read_text()) for r in range(8)]
 
 
 def test_zero_1_2_3_with_tensor_2_equal_a_serial_run(records: list[list[dict[str, Any]]]) -> None:
     for rank, runs in enumerate(records):
-        assert [r["stage"] for r in runs] == [1, 2, 3, 2, 2, 2, 3]
+        assert [r["stage"] for r in runs] == [1, 2, 3, 2, 2, 2, 3, 3]
+        assert [r["built"] for r in runs[:3]] == ["plain", "plain", "zero_init"]
         for run in runs[:3]:
             assert run["layout"] == [2, 1, 4]
             assert run["steps"] == 3
@@ -90,10 +106,77 @@ def test_sequence_parallel_reduces_over_gpcs_data_context_group(records: list[li
     # and averaged over the data ranks, i.e. reduced over exactly gpc's DATA_CONTEXT group
     for rank, runs in enumerate(records):
         tensor_rank = (rank // 2) % 2
-        for run, stage in zip(runs[5:], (2, 3)):
+        for run, stage in zip(runs[5:], (2, 3, 3), strict=True):
             assert run["stage"] == stage and run["order"] == "cp-tp-dp-pp"
             assert run["layout"] == [2, 1, 2] and run["context"] == 2
             assert run["tensor_rank"] == tensor_rank and run["sequence_rank"] == rank % 2
             assert run["dp_world_size"] == 2 and run["seq_dp_world_size"] == 4
             assert run["partition_ranks"] == ([0, 1, 4, 5] if tensor_rank == 0 else [2, 3, 6, 7])
             assert run["worst"] <= 1e-6, (rank, run)
+
+
+def test_zero_3_with_context_2_built_by_zero_init_equals_serial_whatever_fp16_support(
+    records: list[list[dict[str, Any]]],
+) -> None:
+    # DeepSpeed 0.19.8's zero.Init builds bfloat16 on a CPU it thinks lacks fp16 (dtype= ignored);
+    # zero_init builds float32 either way, partitioned over gpc's data × context group
+    for rank, runs in enumerate(records):
+        tensor_rank = (rank // 2) % 2
+        assert [(r["built"], r["fp16_supported"]) for r in runs[6:]] == [
+            ("zero_init", False),
+            ("zero_init", True),
+        ]
+        for run in runs[6:]:
+            assert run["param_dtypes"] == ["torch.float32"], (rank, run)
+            assert run["partition_ranks"] == ([0, 1, 4, 5] if tensor_rank == 0 else [2, 3, 6, 7])
+            assert run["worst"] <= 1e-6, (rank, run)
+
+
+def test_zero_init_builds_the_dtype_asked_whatever_fp16_support(zero3: list[dict[str, Any]]) -> None:
+    for rank, checks in enumerate(zero3):
+        seen = checks["dtypes"]
+        for fp16 in (False, True):
+            for way in (
+                "zero_init(config)",
+                "zero_init(config, dtype=torch.float32)",
+                "zero_init(dtype=torch.float32)",
+            ):
+                assert seen[f"{way} fp16={fp16}"] == "torch.float32", (rank, way, fp16)
+            assert seen[f"zero_init(dtype=torch.bfloat16) fp16={fp16}"] == "torch.bfloat16", rank
+        # the slip zero_init steers around, seen through the same forcing: DeepSpeed's own dtype=
+        assert seen["zero.Init(dtype=torch.float32) fp16=False"] == "torch.bfloat16", rank
+        assert seen["zero.Init(dtype=torch.float32) fp16=True"] == "torch.float32", rank
+        # a dtype the config contradicts is refused, naming both and the fix
+        assert "zero_init(dtype=torch.bfloat16): the config gives torch.float32" in seen["refused"]
+        assert "enable its 'bf16' section" in seen["refused"]
+
+
+def test_zero_3_with_context_refuses_a_model_not_built_under_zero_init(zero3: list[dict[str, Any]]) -> None:
+    for rank, checks in enumerate(zero3):
+        assert checks["accepted_context_1"]  # tensor=2, context 1: DATA is the data × context group
+        tensor_rank = (rank // 2) % 2
+        said = checks["refused"]["plain"]
+        assert said.startswith("ZeRO-3 with context 2: parameter 'w1' was not built under zero.Init"), said
+        data = [rank % 2 + 2 * tensor_rank, rank % 2 + 2 * tensor_rank + 4]  # rank = c + 2t + 4d
+        context = [2 * tensor_rank + 4 * (rank // 4), 2 * tensor_rank + 4 * (rank // 4) + 1]
+        assert f"over gpc's data group {data}" in said and f"context ranks {context}" in said, said
+        assert "`with parallelctx.deepspeed.zero_init(config): model = ...`" in said
+        # why it is refused, not warned: with the check off the same model trains away from serial
+        unchecked = checks["unchecked"]
+        assert unchecked["built"] == "plain" and unchecked["stage"] == 3
+        assert unchecked["partition_ranks"] == data
+        assert unchecked["worst"] > 1e-3, unchecked
+
+
+def test_zero_3_refuses_parameters_partitioned_over_another_group(zero3: list[dict[str, Any]]) -> None:
+    # built under DeepSpeed's own zero.Init, whose default group is the world: tensor shards would
+    # be reduce-scattered together with the other tensor rank's
+    for rank, checks in enumerate(zero3):
+        tensor_rank = (rank // 2) % 2
+        said = checks["refused"]["world"]
+        want = [0, 1, 4, 5] if tensor_rank == 0 else [2, 3, 6, 7]
+        assert said.startswith("ZeRO-3: parameter 'w1' is partitioned over ranks [0, 1, 2, 3, 4, 5, 6, 7]"), (
+            said
+        )
+        assert f"not over gpc's data × context group {want}" in said, said
+        assert "`with parallelctx.deepspeed.zero_init(config): model = ...`" in said
