@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import DEFAULT_TIMEOUT, Config, load_config
+from .config import DEFAULT_TIMEOUT, Config, load_config, to_timedelta
 from .config.args import validate_launch_args
 from .guard.core import Guard
 from .guard.hang import HangReport
@@ -36,8 +36,10 @@ from .planning.views import (
 )
 from .runtime import startup
 from .runtime.groups import GroupMaker
+from .planning.reform import shrink
 from .runtime.meetings import Meetings, init_default_group
-from .runtime.rendezvous import Arrival
+from .runtime.reform import Reformed, agree_exclusion
+from .runtime.rendezvous import Arrival, serves_store
 from .runtime.rngstate import RNGState
 from .runtime.seed import RNGStreams, Stream, parse_stream
 from .runtime.startup import Launched, resolve_backend
@@ -247,6 +249,76 @@ class ParallelContext(ModeViews):
             The number of gloo connections shut down. Never raises (a failure is logged).
         """
         return self._guard.abort(timeout)
+
+    def reform(self, exclude: list[int] | tuple[int, ...], timeout: int | float | timedelta | None = None) -> Reformed:
+        """Go on without the ranks ``exclude`` (gone for good: their host died), in the surviving
+        processes: every rank that stays calls it with the same ``exclude``, typically after
+        :meth:`abort` (docs/reliability.md). The survivors agree on who is gone; the layout
+        shrinks by ``parallel.reform`` (``"data"``: every data replica holding an excluded rank
+        leaves whole, so an excluded rank's tensor, pipeline and context peers leave with it;
+        ``"replicate"``: the same on HSDP's replicate axis; :func:`parallelctx.planning.reform.shrink`);
+        the groups are torn down (the destroy hooks run) and the survivors launch again as ranks
+        ``0..n-1`` in their old order, over the same store: afterwards gpc answers as a fresh
+        launch of the smaller layout would (groups, views, seeds by the documented formula,
+        ``device_mesh``). A rank that leaves is destroyed and gets ``stays=False``. Rebuild the
+        model's wrappers (DDP, FSDP2) and bridges (``parallelctx.megatron.install()``) after it.
+
+        ``timeout`` bounds the agreement and the new launch (default: ``dist.timeout``).
+
+        Returns:
+            A :class:`Reformed`: this rank's old and new rank, the ranks that left, the new world size.
+
+        Raises:
+            RuntimeError: gpc is not launched on a world of more than one rank with a store of
+                its own (a dry run, an adopted default group), or rank 0 leaves while its process
+                serves the store.
+            ValueError: this rank is in ``exclude``; ``exclude`` names no rank or one outside the
+                world; the layout cannot shrink by ``parallel.reform`` (LayoutError; the message
+                says what would).
+            ReformError: the ranks that stay do not agree on ``exclude`` (the ranks excluded by
+                some and not others are named), or one did not come within ``timeout``.
+            RendezvousError, LaunchAborted: from the new launch.
+        """
+        launched = self._launched
+        url = self._meetings.url
+        config, layout = launched.config, launched.layout
+        if (
+            launched.world_size <= 1 or launched.store is None or launched.dry_run is not None
+            or url is None or config is None or layout is None
+        ):  # fmt: skip
+            raise RuntimeError(
+                "gpc.reform() needs a launch of more than one rank that made its own default group "
+                "(not a dry run, not an adopted torch.distributed group)"
+            )
+        rank, world = launched.rank, launched.world_size
+        gone = sorted({int(r) for r in exclude})
+        if rank in gone:
+            raise ValueError(
+                f"rank {rank} is in reform(exclude={gone}): a rank that is gone does not call reform; "
+                "every rank that stays passes the ranks that are gone"
+            )
+        shrunk = shrink(layout, gone, config.parallel.reform)
+        if 0 in shrunk.leaving and serves_store(url):
+            raise RuntimeError(
+                f"gpc.reform(exclude={gone}): rank 0 leaves with its replica, but its process serves the "
+                f"launch's store ({url}); launch under torchrun (its agent serves the store) to lose rank 0's "
+                "replica, or restart the job from its checkpoint"
+            )
+        wait = to_timedelta(timeout) if timeout is not None else launched.timeout or DEFAULT_TIMEOUT
+        agree_exclusion(self._meetings.plain(launched.store), rank, gone, shrunk.survivors, wait)
+        smaller = config.to_dict()
+        smaller["parallel"]["data"] = {"replicate": shrunk.replicate}
+        local_rank, new_rank = launched.local_rank, shrunk.new_rank(rank)
+        self.destroy()
+        result = Reformed(rank, new_rank, shrunk.leaving, len(shrunk.survivors))
+        if new_rank is None:
+            return result
+        self._meetings.carry(url, rank, world, new_rank, len(shrunk.survivors))
+        self.launch(
+            smaller, rank=new_rank, world_size=len(shrunk.survivors), init_method=url,
+            local_rank=local_rank, timeout=wait,
+        )  # fmt: skip
+        return result
 
     def destroy(self) -> None:
         """Run the destroy hooks, tear down every group parallelctx made (the default group too when

@@ -206,6 +206,9 @@ class ParallelConfig(BaseModel):
     # Megatron-core 0.19's generalized tensor parallelism (weights sharded over gtp_remat ranks
     # of distinct data); the expert twin is expert.gtp_remat.
     gtp_remat: AxisConfig = AxisConfig()
+    # Which axis shrinks when ranks are lost and gpc.reform() goes on without them
+    # (planning/reform.py): "data", "replicate" (HSDP) or "off".
+    reform: Literal["data", "replicate", "off"] = "data"
 
     @model_validator(mode="before")
     @classmethod

@@ -80,8 +80,18 @@ class Meetings:
         self._attempt: tuple[str, int, int, Any] | None = None
         self._bell: Bell | None = None
         self.halted = threading.Event()
+        self.url: str | None = None  # the URL of the last meeting
         self._launches = 0  # launches begun in this process: the generation of the next meeting
         self._generation_of: tuple[tuple[int, int, int], int | None] = ((0, -1, 0), None)
+
+    def carry(self, url: str, rank: int, world_size: int, new_rank: int, new_world_size: int) -> bool:
+        """Let the next launch as rank ``new_rank`` of ``new_world_size`` at ``url`` use the store
+        this process reached as rank ``rank`` of ``world_size`` (``gpc.reform()``: rank 0's store
+        server stays where it runs). Returns whether there was one to carry."""
+        base = self._stores.get((url, rank, world_size))
+        if base is not None:
+            self._stores[(url, new_rank, new_world_size)] = base
+        return base is not None
 
     def begin(self) -> None:
         """A launch begins in this process (its meetings, retries included, share its
@@ -183,6 +193,7 @@ class Meetings:
         """
         rank = arrival.rank
         key = (url, rank, world_size)
+        self.url = url
         base = self._stores.get(key)
         if base is None:
             base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)

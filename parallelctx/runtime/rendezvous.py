@@ -42,6 +42,7 @@ __all__ = [
     "disagreement",
     "meet",
     "rank_list",
+    "serves_store",
     "settle",
 ]
 
@@ -200,9 +201,7 @@ def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any
         # rank 0 serves without waiting for the clients: meet() waits, and names who is missing.
         # Under torchrun the agent already serves a store at MASTER_PORT: rank 0 is a client of it
         # there (as torch's env:// does), instead of a server whose bind fails and is logged.
-        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get(
-            "MASTER_PORT"
-        ) == str(port)
+        agent = _agent_serves(port)
         return dist.TCPStore(
             host,
             port,
@@ -214,6 +213,18 @@ def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any
         )
     store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
     return store
+
+
+def _agent_serves(port: int) -> bool:
+    """Whether torchrun's agent serves the store at ``port`` (this process's launcher says so)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT") == str(port)
+
+
+def serves_store(url: str) -> bool:
+    """Return whether rank 0's process serves the rendezvous store of ``url``: a ``tcp://`` URL
+    that torchrun's agent does not serve (under ``env://`` and ``file://`` no rank does)."""
+    host, port = _address(url)
+    return url.startswith("tcp://") and bool(host) and port is not None and not _agent_serves(port)
 
 
 def connect_store(
