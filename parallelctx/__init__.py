@@ -61,6 +61,8 @@ _LAZY = {
     "launch_from_slurm": "launch",
     "launch_from_torch": "launch",
     "REPLICA": "runtime.seed",
+    "ReformError": "runtime.reform",
+    "Reformed": "runtime.reform",
     "SpawnError": "spawn",
     "spawn": "spawn",
 }
@@ -161,6 +163,8 @@ __all__ = [
     "ParallelContext",
     "ParallelMode",
     "RNGState",
+    "ReformError",
+    "Reformed",
     "SpawnError",
     "checkpoint",
     "gpc",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .config import DEFAULT_TIMEOUT, Config, load_config, to_timedelta
+from .config import DEFAULT_TIMEOUT, Config, load_config
 from .config.args import validate_launch_args
 from .guard.core import Guard
 from .guard.hang import HangReport
@@ -36,10 +36,9 @@ from .planning.views import (
 )
 from .runtime import startup
 from .runtime.groups import GroupMaker
-from .planning.reform import shrink
 from .runtime.meetings import Meetings, init_default_group
-from .runtime.reform import Reformed, agree_exclusion
-from .runtime.rendezvous import Arrival, serves_store
+from .runtime.reform import Reformed, prepare
+from .runtime.rendezvous import Arrival
 from .runtime.rngstate import RNGState
 from .runtime.seed import RNGStreams, Stream, parse_stream
 from .runtime.startup import Launched, resolve_backend
@@ -79,6 +78,7 @@ class ParallelContext(ModeViews):
             setattr(self, fast.__name__, fast)
         self._groups, self._cpu_groups = self._answers.groups, self._answers.cpu_groups
         self._destroy_hooks: list[Callable[[], None]] = []
+        self._reform_hooks: list[Callable[[], None]] = []
         self._adopt(Launched())
 
     def _adopt(self, value: Launched) -> None:
@@ -219,13 +219,18 @@ class ParallelContext(ModeViews):
         ``DryRun(sim, config, armed=True)`` before it runs a script); None disarms."""
         self._dry_run = dry
 
-    def add_destroy_hook(self, hook: Callable[[], None]) -> None:
+    def add_destroy_hook(self, hook: Callable[[], None], on_reform: Callable[[], None] | None = None) -> None:
         """Have :meth:`destroy` call ``hook()`` first, while the groups still exist (last added
-        first; kept once; forgotten by that destroy). Raises TypeError for a non-callable."""
-        if not callable(hook):
-            raise TypeError(f"add_destroy_hook takes a function of no arguments, not {hook!r}")
+        first; kept once; forgotten by that destroy), and :meth:`reform` call ``on_reform()`` on
+        every rank that stays once the smaller world is launched (a bridge rebuilds itself).
+        Raises TypeError for a non-callable."""
+        for given in (hook, on_reform or hook):
+            if not callable(given):
+                raise TypeError(f"add_destroy_hook takes a function of no arguments, not {given!r}")
         if hook not in self._destroy_hooks:
             self._destroy_hooks.append(hook)
+        if on_reform is not None and on_reform not in self._reform_hooks:
+            self._reform_hooks.append(on_reform)
 
     @property
     def destroy_hooks(self) -> tuple[Callable[[], None], ...]:
@@ -250,75 +255,30 @@ class ParallelContext(ModeViews):
         """
         return self._guard.abort(timeout)
 
-    def reform(self, exclude: list[int] | tuple[int, ...], timeout: int | float | timedelta | None = None) -> Reformed:
-        """Go on without the ranks ``exclude`` (gone for good: their host died), in the surviving
-        processes: every rank that stays calls it with the same ``exclude``, typically after
-        :meth:`abort` (docs/reliability.md). The survivors agree on who is gone; the layout
-        shrinks by ``parallel.reform`` (``"data"``: every data replica holding an excluded rank
-        leaves whole, so an excluded rank's tensor, pipeline and context peers leave with it;
-        ``"replicate"``: the same on HSDP's replicate axis; :func:`parallelctx.planning.reform.shrink`);
-        the groups are torn down (the destroy hooks run) and the survivors launch again as ranks
-        ``0..n-1`` in their old order, over the same store: afterwards gpc answers as a fresh
-        launch of the smaller layout would (groups, views, seeds by the documented formula,
-        ``device_mesh``). A rank that leaves is destroyed and gets ``stays=False``. Rebuild the
-        model's wrappers (DDP, FSDP2) and bridges (``parallelctx.megatron.install()``) after it.
-
-        ``timeout`` bounds the agreement and the new launch (default: ``dist.timeout``).
+    def reform(
+        self, exclude: list[int] | tuple[int, ...], timeout: int | float | timedelta | None = None
+    ) -> Reformed:
+        """Go on without the ranks ``exclude`` (gone for good) in the surviving processes, after
+        :meth:`abort`: the ranks that stay agree on ``exclude``, the layout shrinks by
+        ``parallel.reform``, and they launch again as ranks ``0..n-1`` in their old order (a fresh
+        launch of the smaller layout); the reform hooks rebuild the bridges
+        (:func:`parallelctx.runtime.reform.prepare`; docs/reliability.md).
 
         Returns:
-            A :class:`Reformed`: this rank's old and new rank, the ranks that left, the new world size.
+            A :class:`Reformed` (``stays=False`` on a rank that left; gpc is then destroyed).
 
         Raises:
-            RuntimeError: gpc is not launched on a world of more than one rank with a store of
-                its own (a dry run, an adopted default group), or rank 0 leaves while its process
-                serves the store.
-            ValueError: this rank is in ``exclude``; ``exclude`` names no rank or one outside the
-                world; the layout cannot shrink by ``parallel.reform`` (LayoutError; the message
-                says what would).
-            ReformError: the ranks that stay do not agree on ``exclude`` (the ranks excluded by
-                some and not others are named), or one did not come within ``timeout``.
+            RuntimeError, ValueError, ReformError: from :func:`~parallelctx.runtime.reform.prepare`.
             RendezvousError, LaunchAborted: from the new launch.
         """
-        launched = self._launched
-        url = self._meetings.url
-        config, layout = launched.config, launched.layout
-        if (
-            launched.world_size <= 1 or launched.store is None or launched.dry_run is not None
-            or url is None or config is None or layout is None
-        ):  # fmt: skip
-            raise RuntimeError(
-                "gpc.reform() needs a launch of more than one rank that made its own default group "
-                "(not a dry run, not an adopted torch.distributed group)"
-            )
-        rank, world = launched.rank, launched.world_size
-        gone = sorted({int(r) for r in exclude})
-        if rank in gone:
-            raise ValueError(
-                f"rank {rank} is in reform(exclude={gone}): a rank that is gone does not call reform; "
-                "every rank that stays passes the ranks that are gone"
-            )
-        shrunk = shrink(layout, gone, config.parallel.reform)
-        if 0 in shrunk.leaving and serves_store(url):
-            raise RuntimeError(
-                f"gpc.reform(exclude={gone}): rank 0 leaves with its replica, but its process serves the "
-                f"launch's store ({url}); launch under torchrun (its agent serves the store) to lose rank 0's "
-                "replica, or restart the job from its checkpoint"
-            )
-        wait = to_timedelta(timeout) if timeout is not None else launched.timeout or DEFAULT_TIMEOUT
-        agree_exclusion(self._meetings.plain(launched.store), rank, gone, shrunk.survivors, wait)
-        smaller = config.to_dict()
-        smaller["parallel"]["data"] = {"replicate": shrunk.replicate}
-        local_rank, new_rank = launched.local_rank, shrunk.new_rank(rank)
+        plan = prepare(self._launched, self._meetings, exclude, timeout)
+        rebuild = list(self._reform_hooks)
         self.destroy()
-        result = Reformed(rank, new_rank, shrunk.leaving, len(shrunk.survivors))
-        if new_rank is None:
-            return result
-        self._meetings.carry(url, rank, world, new_rank, len(shrunk.survivors))
-        self.launch(
-            smaller, rank=new_rank, world_size=len(shrunk.survivors), init_method=url,
-            local_rank=local_rank, timeout=wait,
-        )  # fmt: skip
-        return result
+        if plan.result.stays:
+            self.launch(plan.config, **plan.launch_args)
+            for hook in rebuild:
+                hook()
+        return plan.result
 
     def destroy(self) -> None:
         """Run the destroy hooks, tear down every group parallelctx made (the default group too when

@@ -30,7 +30,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_agents(nodes: int, per_node: int, argv: list[str], out: Path, expect: list[str], timeout: float) -> str:
+def run_agents(
+    nodes: int, per_node: int, argv: list[str], out: Path, expect: list[str], timeout: float
+) -> str:
     """Run ``nodes`` torchrun agents of ``per_node`` workers each; return their output once every
     file of ``expect`` exists in ``out`` (or every agent exited), stopping the agents left."""
     port = _free_port()
@@ -38,12 +40,25 @@ def run_agents(nodes: int, per_node: int, argv: list[str], out: Path, expect: li
     procs = [
         subprocess.Popen(
             [
-                str(TORCHRUN), "--nnodes", str(nodes), "--node-rank", str(n), "--nproc-per-node", str(per_node),
-                "--master-addr", "127.0.0.1", "--master-port", str(port), *argv,
+                str(TORCHRUN),
+                "--nnodes",
+                str(nodes),
+                "--node-rank",
+                str(n),
+                "--nproc-per-node",
+                str(per_node),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                *argv,
             ],
-            cwd=ROOT, stdout=logs[n], stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            cwd=ROOT,
+            stdout=logs[n],
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
             start_new_session=True,
-        )  # fmt: skip
+        )
         for n in range(nodes)
     ]
     deadline = time.monotonic() + timeout
@@ -72,22 +87,28 @@ def records(out: Path, mode: str) -> dict[int, dict]:
 
 
 @pytest.mark.timeout(600)
-def test_rank_killed_mid_step_survivors_reform_and_train_as_a_fresh_smaller_launch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bridge", ["plain", "megatron"])
+def test_rank_killed_mid_step_survivors_reform_and_train_as_a_fresh_smaller_launch(
+    tmp_path: Path, bridge: str
+) -> None:
     # 8 ranks, tensor 2 x data 4, 4 agents of 2 (ranks 4 and 5 share one). Rank 5 is killed
     # (SIGKILL) between its forward and backward at step 3; its agent stops rank 4. The six
     # survivors call gpc.abort(); gpc.reform(exclude=[5]) and train steps 3-7 from the step-2
     # checkpoint at tensor 2 x data 3; a fresh 6-rank torchrun from the same checkpoint must give
-    # the same groups, the same seeded draws and the same losses, bit for bit.
+    # the same groups, the same seeded draws and the same losses, bit for bit. With the Megatron
+    # bridge installed, reform reinstalls it: every parallel_state getter and every
+    # process_groups() field answers as a fresh install on the 6-rank launch does.
     survivors = [0, 1, 2, 3, 6, 7]
+    extra = ["--megatron"] if bridge == "megatron" else []
     log = run_agents(
-        4, 2, ["tests/torchrun_reform.py", "kill", str(tmp_path), "5"], tmp_path,
+        4, 2, ["tests/torchrun_reform.py", "kill", str(tmp_path), "5", *extra], tmp_path,
         [f"kill-rank-{r}.json" for r in survivors], timeout=400,
     )  # fmt: skip
     got = records(tmp_path, "kill")
     left = got.pop(4, None)  # rank 4 leaves with rank 5: told so by reform, unless its agent stopped it first
     assert left is None or (left["reformed"]["rank"] is None and "losses" not in left), left
     assert sorted(got) == survivors, log
-    fresh = run_torchrun(6, ["tests/torchrun_reform.py", "fresh", str(tmp_path)], timeout=300)
+    fresh = run_torchrun(6, ["tests/torchrun_reform.py", "fresh", str(tmp_path), *extra], timeout=300)
     assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
     want = records(tmp_path, "fresh")
     assert sorted(want) == list(range(6))
@@ -95,10 +116,39 @@ def test_rank_killed_mid_step_survivors_reform_and_train_as_a_fresh_smaller_laun
         new = survivors.index(old)
         assert row["reformed"] == {"rank": new, "left": [4, 5], "world_size": 6}, row
         ref = want[new]
-        for key in ("rank", "world_size", "tensor", "data", "tensor_seed_draw", "data_seed_draw", "losses"):
+        keys = ["rank", "world_size", "tensor", "data", "tensor_seed_draw", "data_seed_draw", "losses"]
+        for key in keys + (["megatron"] if extra else []):
             assert row[key] == ref[key], (old, key, row[key], ref[key])
         assert row["reform_s"] < 10.0, row
     print(
         f"reform took at most {max(r['reform_s'] for r in got.values()):.2f} s; losses after it "
         f"{got[0]['losses']} equal the fresh 6-rank launch's"
     )
+
+
+@pytest.mark.timeout(900)
+def test_ten_kills_in_a_row_each_reformed_leave_no_thread_or_group_behind(tmp_path: Path) -> None:
+    # 12 ranks of data parallelism, one agent each. Ten rounds: the highest rank left is killed
+    # between its forward and backward; the others abort, reform and take the next step on the
+    # smaller world. After each reform: the groups are the smaller world's (all_gather), the step's
+    # loss is the same on every rank, and the threads and process groups are those after the first
+    # launch: nothing of the nine earlier worlds is left.
+    rounds, world = 10, 12
+    log = run_agents(
+        world, 1, ["tests/torchrun_reform.py", "cycles", str(tmp_path), str(rounds)], tmp_path,
+        [f"cycles-rank-{r}.json" for r in range(world - rounds)], timeout=800,
+    )  # fmt: skip
+    got = records(tmp_path, "cycles")
+    assert sorted(got) == list(range(world - rounds)), log
+    for old, row in got.items():
+        sizes = [r["world_size"] for r in row["rounds"]]
+        assert sizes == list(range(world - 1, world - rounds - 1, -1)), (old, sizes)
+        threads = {tuple(r["threads"]) for r in row["rounds"]}
+        assert len(threads) == 1, (old, threads)  # the same threads after every reform
+        assert all("parallelctx-launch-bell" not in t for t in next(iter(threads))), threads
+        assert {r["groups"] for r in row["rounds"]} == {row["rounds"][0]["groups"]}, row["rounds"]
+        for r in row["rounds"]:
+            assert r["rank"] == old and r["data"] == list(range(r["world_size"])), r
+    for i in range(rounds):  # every rank saw the same losses in each round
+        assert len({tuple(row["rounds"][i]["losses"]) for row in got.values()}) == 1, i
+    print(f"{rounds} kills in a row from {world} ranks: worlds {[r['world_size'] for r in got[0]['rounds']]}")

@@ -1,5 +1,7 @@
 """A small tensor-parallel model trained on gpc's groups and seeds, run under torchrun by
-tests/test_reform.py: ``torchrun ... tests/torchrun_reform.py MODE OUT [KILL] [CYCLES]``.
+tests/test_reform.py: ``torchrun ... tests/torchrun_reform.py MODE OUT [KILL | ROUNDS] [--megatron]``.
+With ``--megatron`` the Megatron bridge is installed after launch (``gpc.reform()`` reinstalls it)
+and the records hold every ``parallel_state`` getter's answer and ``process_groups()``.
 
 The model, written as model code would be: a column-parallel linear (its output features split
 over the tensor group), GELU, dropout under ``gpc.seed(ParallelMode.TENSOR)``, a row-parallel
@@ -66,13 +68,13 @@ class TPMLP:
 
 class _ReduceTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, partial: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def forward(ctx: Any, partial: torch.Tensor) -> torch.Tensor:
         out = partial.clone()
         dist.all_reduce(out, group=gpc.get_group(ParallelMode.TENSOR))
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
 
@@ -133,17 +135,38 @@ def _draw(mode: ParallelMode) -> float:
         return torch.rand(1).item()
 
 
+def megatron_answers() -> dict[str, Any]:
+    """Every parallel_state getter's answer and every process_groups() field, by members."""
+    import megatron_workers  # tests/: the Megatron bridge suite's own probes
+
+    from parallelctx import megatron
+
+    getters, _ = megatron_workers.discover()
+    return {
+        "globals": megatron_workers.answer_all(getters),
+        "collection": megatron_workers.collection(megatron.process_groups()),
+    }
+
+
 def main() -> int:
     """Run MODE on this rank; returns 0 (the test reads the JSON files)."""
+    bridge = "--megatron" in sys.argv
+    sys.argv = [a for a in sys.argv if a != "--megatron"]
     mode, out = sys.argv[1], Path(sys.argv[2])
     rank = int(os.environ["RANK"])
     config = {"parallel": {"tensor": 1 if mode == "cycles" else 2}, "dist": {"timeout": 30}, "seed": 7}
     parallelctx.launch_from_torch(config)
+    if bridge:
+        from parallelctx import megatron
+
+        megatron.install()
     record: dict[str, Any] = {"mode": mode, "old_rank": rank}
     if mode == "fresh":
         model = TPMLP()
         load(model, out)
         record.update(describe(), losses=[step(model, s) for s in range(3, 8)])
+        if bridge:
+            record["megatron"] = megatron_answers()
     elif mode == "kill":
         kill = int(sys.argv[3])
         model = TPMLP()
@@ -158,11 +181,17 @@ def main() -> int:
         began = time.monotonic()
         reformed = gpc.reform(exclude=[kill])
         record["reform_s"] = round(time.monotonic() - began, 3)
-        record["reformed"] = {"rank": reformed.rank, "left": list(reformed.left), "world_size": reformed.world_size}
+        record["reformed"] = {
+            "rank": reformed.rank,
+            "left": list(reformed.left),
+            "world_size": reformed.world_size,
+        }
         if reformed.stays:
             model = TPMLP()
             load(model, out)
             record.update(describe(), losses=[step(model, s) for s in range(3, 8)])
+            if bridge:
+                record["megatron"] = megatron_answers()
     else:  # cycles
         rounds = int(sys.argv[3])
         model = TPMLP()
@@ -174,7 +203,9 @@ def main() -> int:
             losses = [step(model, 0)]
             try:
                 losses.append(step(model, 1, die=me == victim))
-            except RuntimeError:
+                print(f"rank {me} of {world}: step 1 did not fail", file=sys.stderr, flush=True)
+            except RuntimeError as exc:
+                print(f"rank {me} of {world}: step 1 failed: {str(exc)[:80]}", file=sys.stderr, flush=True)
                 gpc.abort()
                 reformed = gpc.reform(exclude=[victim])
                 model = TPMLP()

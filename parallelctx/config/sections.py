@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 #: The keys of the ``parallel`` section (``ParallelConfig``'s fields; a test keeps them equal).
-PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "data", "order", "gtp_remat")
+PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "data", "order", "gtp_remat", "reform")
 #: The keys of the ``dist`` section (``DistConfig``'s fields).
 DIST_KEYS = ("backend", "timeout", "init_method", "gloo_lazy_init", "hang_report")
 #: The top-level key that lists the user's own entries, which are never refused as misplaced.
@@ -85,6 +85,8 @@ def _fits(section: str, key: str, value: Any) -> bool:
             return _as_int(value) is not None or (
                 isinstance(value, Mapping) and bool(value) and set(value) <= {"size", "replicate", "shard"}
             )
+        if key == "reform":
+            return value in ("data", "replicate", "off")
         return key == "order" and _is_order(value)
     if key == "backend":
         return _is_backend(value)

@@ -32,6 +32,7 @@ Not covered, refused or left as Megatron leaves them by default: see docs/migrat
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 try:
@@ -178,8 +179,15 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
         setattr(ps, name, found[name])
     state.random_before = swap_in()
     _state = state
-    gpc.add_destroy_hook(_on_destroy)
+    gpc.add_destroy_hook(
+        _on_destroy, functools.partial(_reinstall, virtual_pipeline_model_parallel_size, options)
+    )
     return state.calls
+
+
+def _reinstall(virtual_pipeline_model_parallel_size: int | None, options: dict[str, Any]) -> None:
+    """Install again with the same options, on the world ``gpc.reform()`` made."""
+    install(virtual_pipeline_model_parallel_size, **options)
 
 
 def process_groups(**options: Any) -> Any:

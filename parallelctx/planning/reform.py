@@ -107,10 +107,10 @@ def shrink(layout: Layout, exclude: Iterable[int], rule: str = "data") -> Shrunk
             expert_gtp_remat=layout.expert_gtp_remat,
         )
     except LayoutError as exc:
-        other = "'replicate'" if rule == "data" else "'data'"
+        other = "parallel.reform='replicate' may fit, or " if rule == "data" and layout.replicate > 1 else ""
         raise LayoutError(
             f"reform(exclude={gone}) with parallel.reform={rule!r} would leave {axis}="
             f"{replicate if rule == 'replicate' else data} on {len(survivors)} ranks, which the layout "
-            f"refuses ({exc}); parallel.reform={other} may fit, or restart the job from its checkpoint"
+            f"refuses ({exc}); {other}restart the job from its checkpoint"
         ) from None
     return Shrunk(leaving, survivors, data, replicate, smaller)

@@ -1,9 +1,9 @@
-"""The survivors' agreement before ``gpc.reform()``: every rank that stays posts which ranks it
-excludes on the launch's store and reads what the others posted; all must name the same ranks.
-
-A rank excluded by some ranks and not by others is refused by name on every rank that sees the
-difference, at once, and a rank that never posts within the timeout is named too. Imports nothing
-from parallelctx outside ``runtime.rendezvous``.
+"""``gpc.reform()`` before its new launch: the checks, the smaller layout
+(:func:`parallelctx.planning.reform.shrink`) and the survivors' agreement: every rank that stays
+posts which ranks it excludes on the launch's store and reads what the others posted; all must
+name the same ranks. A rank excluded by some ranks and not by others is refused by name on every
+rank that sees the difference, at once, and a rank that never posts within the timeout is named
+too. :func:`prepare` returns what the facade then launches.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from .rendezvous import rank_list
+from ..config import DEFAULT_TIMEOUT, to_timedelta
+from ..planning.reform import shrink
+from .rendezvous import rank_list, serves_store
 
-__all__ = ["ReformError", "Reformed", "agree_exclusion"]
+__all__ = ["ReformError", "ReformPlan", "Reformed", "agree_exclusion", "prepare"]
 
 _POLL_S = 0.02
 
@@ -89,7 +91,9 @@ def agree_exclusion(
                 if r not in seen and store.check([f"reform/{r}"]):
                     seen[r] = pickle.loads(store.get(f"reform/{r}"))
         except Exception as exc:
-            raise ReformError(f"rank {rank} lost the launch's store while it waited to reform ({exc})") from exc
+            raise ReformError(
+                f"rank {rank} lost the launch's store while it waited to reform ({exc})"
+            ) from exc
         problem = _differ(mine, seen)
         if problem is not None:
             raise ReformError(
@@ -108,3 +112,64 @@ def agree_exclusion(
             )
         time.sleep(_POLL_S)
 
+
+@dataclass(frozen=True)
+class ReformPlan:
+    """What ``gpc.reform()`` launches after its teardown: the result for this rank, the smaller
+    config (a dict) and the other arguments of ``gpc.launch`` (rank, world size, the store's URL,
+    the local rank, the timeout)."""
+
+    result: Reformed
+    config: dict[str, Any]
+    launch_args: dict[str, Any]
+
+
+def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any = None) -> ReformPlan:
+    """Check a reform of ``launched`` (a :class:`~parallelctx.runtime.startup.Launched`) without
+    the ranks ``exclude``, plan the smaller layout by the config's ``parallel.reform``, and agree
+    with the ranks that stay (:func:`agree_exclusion`) on ``meetings``' store, whose store this
+    rank will reach under its new rank.
+
+    Returns:
+        A :class:`ReformPlan`.
+
+    Raises:
+        RuntimeError: no launch of more than one rank with a default group of its own (a dry run,
+            an adopted torch.distributed group), or rank 0 leaves while its process serves the store.
+        ValueError: this rank is in ``exclude``; the layout cannot shrink (LayoutError, naming
+            what would).
+        ReformError: the ranks that stay do not agree, or one did not come within ``timeout``.
+    """
+    config, layout, url = launched.config, launched.layout, meetings.url
+    if (
+        launched.world_size <= 1
+        or launched.store is None
+        or launched.dry_run is not None
+        or None in (url, config, layout)
+    ):
+        raise RuntimeError(
+            "gpc.reform() needs a launch of more than one rank that made its own default group "
+            "(not a dry run, not an adopted torch.distributed group)"
+        )
+    rank, gone = launched.rank, sorted({int(r) for r in exclude})
+    if rank in gone:
+        raise ValueError(
+            f"rank {rank} is in reform(exclude={gone}): a rank that is gone does not call reform; "
+            "every rank that stays passes the ranks that are gone"
+        )
+    shrunk = shrink(layout, gone, config.parallel.reform)
+    if 0 in shrunk.leaving and serves_store(url):
+        raise RuntimeError(
+            f"gpc.reform(exclude={gone}): rank 0 leaves with its replica, but its process serves the "
+            f"launch's store ({url}); launch under torchrun (its agent serves the store) to lose rank 0's "
+            "replica, or restart the job from its checkpoint"
+        )
+    wait = to_timedelta(timeout) if timeout is not None else launched.timeout or DEFAULT_TIMEOUT
+    agree_exclusion(meetings.plain(launched.store), rank, gone, shrunk.survivors, wait)
+    smaller = config.to_dict()
+    smaller["parallel"]["data"] = {"replicate": shrunk.replicate}
+    new, size = shrunk.new_rank(rank), len(shrunk.survivors)
+    if new is not None:  # the store this process reached, under its new rank (rank 0's server stays)
+        meetings.carry(url, rank, launched.world_size, new, size)
+    args = dict(rank=new, world_size=size, init_method=url, local_rank=launched.local_rank, timeout=wait)
+    return ReformPlan(Reformed(rank, new, shrunk.leaving, size), smaller, args)

@@ -217,7 +217,9 @@ def _make_store(url: str, rank: int, world_size: int, timeout: timedelta) -> Any
 
 def _agent_serves(port: int) -> bool:
     """Whether torchrun's agent serves the store at ``port`` (this process's launcher says so)."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT") == str(port)
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT") == str(
+        port
+    )
 
 
 def serves_store(url: str) -> bool:
