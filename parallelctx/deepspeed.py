@@ -39,6 +39,7 @@ not built under ``zero.Init`` at all) raises :class:`ZeroPartitionError` out of
 from __future__ import annotations
 
 import copy
+import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -319,7 +320,7 @@ def zero_init(
     Raises:
         TypeError: ``kwargs`` holds ``data_parallel_group``, ``sequence_data_parallel_group``,
             ``config_dict_or_path`` or ``mpu`` (zero_init sets them).
-        ValueError: ``dtype`` is not one of the three, or differs from the config's.
+        ValueError: ``dtype`` is not one of the three, or differs from the config's; the config's ZeRO stage is not 3.
         ImportError: DeepSpeed is not installed (the optional extra ``deepspeed``).
         NotLaunchedError: the context is not launched.
         RuntimeError: DeepSpeed's ``zero.Init`` would build another dtype than the config's.
@@ -351,6 +352,15 @@ def zero_init(
     if isinstance(config, Mapping):
         config = copy.deepcopy(dict(config))  # DeepSpeed keeps (and may change) the dict it reads
     parsed = DeepSpeedConfig(copy.deepcopy(config), unit)
+    stage = parsed.zero_optimization_stage
+    if stage != 3:
+        raise ValueError(
+            f"zero_init(config) with zero_optimization.stage={stage}: zero.Init partitions every parameter "
+            "as ZeRO-3 does, and a model built so cannot train under another stage; build the model "
+            "plainly for stages 0-2 (docs/engines.md), or set zero_optimization.stage=3"
+        )
+    if "LOCAL_RANK" not in os.environ:  # zero.Init reads it (a bare KeyError otherwise)
+        os.environ["LOCAL_RANK"] = str(ctx.local_rank)  # what a launcher sets: gpc's local rank
     gives = (
         torch.bfloat16
         if parsed.bfloat16_config.enabled
