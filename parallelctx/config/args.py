@@ -84,7 +84,8 @@ def validate_launch_args(
       ``host``, when ``world_size > 1`` and no ``init_method`` is given.
     * ``host``: None or a non-empty IP address (IPv6 with or without brackets) or host name.
     * ``local_world_size``: None or an int in ``[1, world_size]``; ``local_rank`` None or an int
-      in ``[0, local_world_size)`` (``[0, world_size)`` without it).
+      in ``[0, local_world_size)`` (``[0, MAX_WORLD_SIZE)`` without it: a process's place on its
+      node may lie past a small world's size).
     * ``timeout``: None, or seconds / a timedelta between 1 ms and 365 days
       (:func:`parallelctx.config.to_timedelta`), returned as a timedelta.
     * ``seed``: None or an int in ``[0, 2**32)``; ``backend``: None, ``"auto"``, ``"nccl"`` or
@@ -110,7 +111,10 @@ def validate_launch_args(
         if local_world_size is None
         else _int_arg("local_world_size", local_world_size, 1, world, f"world_size = {world}")
     )
-    limit = local_world if local_world is not None else world
+    # Without local_world_size a local rank is only bounded as a world size is: it is the
+    # process's place on its node (its device), which may lie past a small world's size (two
+    # processes on GPUs 6 and 7; the survivors of gpc.reform() keep theirs).
+    limit = local_world if local_world is not None else MAX_WORLD_SIZE
     local = (
         None
         if local_rank is None
@@ -119,7 +123,7 @@ def validate_launch_args(
             local_rank,
             0,
             limit - 1,
-            f"{'local_world_size' if local_world is not None else 'world_size'}-1 = {limit - 1}",
+            f"local_world_size-1 = {limit - 1}" if local_world is not None else f"{limit - 1}",
         )
     )
     port_ = None if port is None else _int_arg("port", port, 1, 65535)

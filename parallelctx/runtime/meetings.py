@@ -32,7 +32,6 @@ from ..config.args import LaunchArgs
 from ..guard.abort import AbortableStore
 from ..guard.core import Guard
 from ..guard.sockets import FdSlots
-from . import rendezvous
 from .bell import Abandoned, Bell, Line, abandon
 from .groups import connects_at_creation
 from .rendezvous import Arrival, connect_store, meet, rank_list
@@ -80,6 +79,7 @@ class Meetings:
         self._attempt: tuple[str, int, int, Any] | None = None
         self._bell: Bell | None = None
         self.halted = threading.Event()
+        self._called_off: Abandoned | None = None  # another rank called this attempt off before connecting
         self.url: str | None = None  # the URL of the last meeting
         self._launches = 0  # launches begun in this process: the generation of the next meeting
         self._generation_of: tuple[tuple[int, int, int], int | None] = ((0, -1, 0), None)
@@ -209,7 +209,14 @@ class Meetings:
                 self._attempt = (prefix, rank, world_size, base)
 
         generation = self._generation(base, rank, world_size)
-        prefix, hosts = meet(kv, arrival, world_size, timeout, shown(url), deadline, posted, generation)
+
+        def adopt(theirs: int) -> None:  # this launch pairs with rank 0's count: the process takes it
+            self._launches = theirs
+            self._generation_of = ((theirs, rank, world_size), theirs)
+
+        prefix, hosts = meet(
+            kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
+        )
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:
             line = Line(base)
@@ -221,13 +228,46 @@ class Meetings:
         return meeting, hosts
 
     @contextlib.contextmanager
-    def connecting(self) -> Iterator[None]:
-        """While the body runs, torch connects this attempt's default group: its line is not cut
-        (:attr:`parallelctx.runtime.bell.Line.connecting`). Yields None."""
-        bell = self._bell
-        if bell is None:
+    def connecting(self, rank: int, world_size: int, deadline: float) -> Iterator[None]:
+        """Agree with every rank, once, whether this attempt connects its default group's pairs
+        (rank 0 posts "go" once every rank arrived; a rank aborted, halted or out of time first
+        posts that it calls the attempt off; the store's compare-and-set lets exactly one win),
+        then run the body (torch connecting) with the line uncut
+        (:attr:`parallelctx.runtime.bell.Line.connecting`): from "go" on, every rank connects and
+        none leaves a peer connecting to its closed listener. Yields None.
+
+        Raises:
+            RuntimeError: the attempt was called off (by this rank: its abort, a peer's
+                abandonment, the deadline; or by another rank, which this rank then meets again).
+        """
+        bell, attempt = self._bell, self._attempt
+        if bell is None or attempt is None:
             yield
             return
+        prefix, base = attempt[0], attempt[3]
+        store = dist.PrefixStore(prefix + "connect/", base)  # never refused, never cut
+        store.add("arrived", 1)
+        pause = 0.001
+        while True:
+            if rank == 0 and store.add("arrived", 0) >= world_size:
+                decision = store.compare_set("decision", "", "go")
+            elif self.aborted.is_set() or self.halted.is_set() or time.monotonic() >= deadline:
+                decision = store.compare_set("decision", "", f"off:{rank}")
+            elif store.check(["decision"]):
+                decision = store.get("decision")
+            else:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+                continue
+            break
+        text = decision.decode()
+        if text != "go":
+            caller = int(text.split(":")[1])
+            if caller != rank:
+                self._called_off = Abandoned(caller, prefix)
+            raise RuntimeError(
+                f"parallelctx: rank {caller} called the launch attempt {prefix.rstrip('/')} off before its pairs connected"
+            )
         bell.line.connecting.set()
         try:
             yield
@@ -250,6 +290,7 @@ class Meetings:
         """
         bell, self._bell = self._bell, None
         heard = bell.stop() if bell is not None else None
+        heard, self._called_off = heard or self._called_off, None
         if heard is None and self.halted.is_set() and self._attempt is not None:
             heard = Abandoned(-1, self._attempt[0])
         return heard
@@ -372,14 +413,11 @@ def init_default_group(
         hostnames = tuple(hosts) if arrival is not None else ()
     slots = FdSlots.reserve()  # after the store: its server's loop is no group's
     eager = world_size > 1 and connects_at_creation(backend)
-    if eager:
-        # Every rank comes here before any connects its pairs, and from here on none leaves
-        # before its pairs are connected (Line.connecting): a rank that abandons the attempt
-        # after this point leaves no peer connecting to its closed listener.
-        rendezvous.settle(store, "connect", rank, world_size, timeout, "the launch's store", deadline)
     named = c10d._world.group_count
     try:
-        with meetings.connecting():
+        # Every rank agrees to connect before any does, and none leaves before its pairs are
+        # connected: no rank is left connecting to a closed listener (gloo retries that in C++).
+        with meetings.connecting(rank, world_size, deadline) if eager else contextlib.nullcontext():
             dist.init_process_group(
                 backend=backend,
                 rank=rank,

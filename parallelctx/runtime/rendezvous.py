@@ -342,6 +342,7 @@ def meet(
     deadline: float | None = None,
     on_post: Callable[[str], None] | None = None,
     generation: int | None = None,
+    on_adopt: Callable[[int], None] | None = None,
 ) -> tuple[str, list[str]]:
     """Meet every rank of ``world_size`` on ``store`` in one round trip: agree on a key prefix no
     earlier launch on the store used, and check every rank's ``arrival`` (its values, or the
@@ -368,7 +369,9 @@ def meet(
     ``generation`` is which launch of its process this is (None: any). Rank 0 posts its own with
     the prefix, and another rank answers only a prefix of its own generation, or of any when
     either is None: ranks that abort and relaunch on their own thus pair relaunch with relaunch,
-    never one rank's relaunch with another's attempt that is still to be aborted.
+    never one rank's relaunch with another's attempt that is still to be aborted. A rank whose
+    first launch pairs with any generation (a replaced rank) takes rank 0's
+    (``on_adopt(generation)``), so that it launches in step from then on.
 
     Returns:
         The prefix (the same on every rank) and every rank's host name in rank order. A rank
@@ -387,7 +390,17 @@ def meet(
     if arrival.rank == 0:
         prefix, verdict = _lead(store, arrival, world_size, seconds, where, deadline, post, generation)
     else:
-        prefix, verdict = _follow(store, arrival, world_size, seconds, where, deadline, post, generation)
+        prefix, verdict = _follow(
+            store,
+            arrival,
+            world_size,
+            seconds,
+            where,
+            deadline,
+            post,
+            generation,
+            on_adopt or (lambda g: None),
+        )
     if verdict.problem is not None and arrival.error is None:
         raise RendezvousError(f"launch refused on every rank: {verdict.problem}", verdict.culprits, where)
     return prefix, list(verdict.hosts)
@@ -556,6 +569,7 @@ def _follow(
     deadline: float,
     post: Callable[[str], None],
     generation: int | None = None,
+    adopt: Callable[[int], None] = lambda generation: None,
 ) -> tuple[str, _Verdict]:
     """The other ranks' half of :func:`meet`: answer the posted prefix with a nonce and this
     rank's arrival until rank 0 confirms that nonce; return the prefix and the verdict."""
@@ -565,6 +579,7 @@ def _follow(
     count = 1 + (REFUSED if arrival.error is not None else 0)
     answered: str | None = None
     behind: int | None = None  # rank 0's generation when it is at another launch than this rank
+    own = generation
     pauses = _pauses(world_size)
     reread = 0.0  # when to read the posted prefix again (a newer launch may replace it)
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
@@ -578,6 +593,8 @@ def _follow(
                         now = 0.0  # and read again at the next poll
                     elif prefix != answered:
                         behind = None
+                        if theirs is not None and theirs != own:
+                            adopt(theirs)  # pairs with rank 0's launch: its count is ours from now
                         post(prefix)
                         store.set(f"{prefix}answer/{rank}", answer)
                         if arrival.error is not None:
