@@ -93,6 +93,12 @@ CASES: list[tuple[str, str, Callable[[], Any]]] = [
         "`distributed={'backend': 'gloo', 'timeout': 60}`",
         lambda: Config({"distributed": {"backend": "gloo", "timeout": 60}}),
     ),
+    ("typo", "`tensor=2`, `pipeline=2` (at the top level)", lambda: Config({"tensor": 2, "pipeline": 2})),
+    (
+        "typo",
+        "`parallelism={'tensor_parallel_degree': 2}` (torchtitan's key name)",
+        lambda: Config({"parallelism": {"tensor_parallel_degree": 2}}),
+    ),
     ("type", "`parallel.tensor={'size': True}`", lambda: Config({"parallel": {"tensor": {"size": True}}})),
     ("type", "`parallel.tensor='2'`", lambda: Config({"parallel": {"tensor": "2"}})),
     ("type", "`parallel.tensor={'size': '2'}`", lambda: Config({"parallel": {"tensor": {"size": "2"}}})),

@@ -664,6 +664,23 @@ def test_a_list_of_seeds_is_the_users_own(tmp_path: Path) -> None:
         {"Parallel": True},
         {"random_seed": 42},
         {"data_seed": 3},
+        # a setup word in the name, but the section's keys are not more than half (issue 38 review)
+        {"distributed_sampler": {"shuffle": True, "timeout": 10}},
+        {"distributed_eval": {"timeout": 30, "batch": 4}},
+        # a near miss of dist, but no key of dist's with a value of its shape
+        {"dis": {"lr": 1e-4, "init_method": "xavier"}},
+        {"dis": {"time": 3}},
+        {"speed": 1.5},  # a float that is not integral is no seed
+        # generic names at the top level, and values not of the key's shape
+        {"data": 4},
+        {"data": {"size": 1000, "path": "/data"}},
+        {"timeout": 30},
+        {"backend": "inductor"},
+        {"init_method": "xavier"},
+        {"context": "long"},
+        {"order": "by-length"},
+        {"reform": True},
+        {"tensor_model_parallel_size": None},  # Megatron's "unset"
     ],
 )
 def test_lookalike_entries_of_the_users_own_are_kept(entry: dict) -> None:
@@ -747,3 +764,171 @@ def test_layout():
     result.stdout.fnmatch_lines(
         ["*cfg_titan.py: config: section 'parallelism' holds parallel's keys tensor=2, *"]
     )
+
+
+# ------------------------------------------------------------------ issue 38 review: flat keys, other names
+@pytest.mark.parametrize(
+    ("entry", "section", "fix"),
+    [
+        (
+            {"tensor": 2, "pipeline": 2, "model": {"hidden": 4}},
+            "parallel",
+            "parallel = dict(tensor=2, pipeline=2)",
+        ),
+        ({"order": "tp-dp-pp"}, "parallel", "parallel = dict(order='tp-dp-pp')"),
+        ({"expert": {"size": 4, "tensor": 1}}, "parallel", "parallel = dict(expert=dict(size=4, tensor=1))"),
+        ({"context": 2}, "parallel", "parallel = dict(context=2)"),
+        ({"gtp_remat": {"size": 2}}, "parallel", "parallel = dict(gtp_remat=dict(size=2))"),
+        ({"reform": "replicate"}, "parallel", "parallel = dict(reform='replicate')"),
+        (
+            {"data": {"replicate": 2, "shard": 4}},
+            "parallel",
+            "parallel = dict(data=dict(replicate=2, shard=4))",
+        ),
+        ({"backend": "nccl"}, "dist", "dist = dict(backend='nccl')"),
+        ({"init_method": "tcp://h:29500"}, "dist", "dist = dict(init_method='tcp://h:29500')"),
+        ({"hang_report": {"after": 60}}, "dist", "dist = dict(hang_report=dict(after=60))"),
+        ({"gloo_lazy_init": True}, "dist", "dist = dict(gloo_lazy_init=True)"),
+    ],
+)
+def test_a_sections_key_at_the_top_level_is_refused(entry: dict, section: str, fix: str) -> None:
+    name = next(iter(entry))
+    with pytest.raises(ConfigError) as info:
+        Config(entry)
+    text = str(info.value)
+    assert text.startswith(f"config: top-level {name}={entry[name]!r} is a key of the {section!r} section"), (
+        text
+    )
+    assert f"reads only inside {section!r}" in text and f"put it in a {section!r} section: {fix} " in text, (
+        text
+    )
+    assert f"user_sections = [{name!r}]" in text, text
+    listed = Config({**entry, "user_sections": list(entry)})  # the override keeps them all
+    assert listed[name] == entry[name] and listed.parallel.tensor.size == 1
+
+
+def test_a_flat_key_from_a_file_and_beside_its_section(tmp_path: Path) -> None:
+    path = tmp_path / "flat.py"
+    path.write_text("tensor = 2\npipeline = 2\nmodel = dict(hidden=4)\n")
+    with pytest.raises(
+        ConfigError, match=rf"^{path}: config: top-level tensor=2 .*parallel = dict\(tensor=2, pipeline=2\)"
+    ):
+        load_config(path)
+    # beside the section: moved into it, the section's own keys kept in the fix
+    with pytest.raises(
+        ConfigError, match=r"move it into the 'parallel' section: parallel = dict\(pipeline=2, tensor=4\)"
+    ):
+        Config({"tensor": 4, "parallel": {"pipeline": 2}})
+    # a .py helper whose value the section uses is kept (tensor = 2; parallel = dict(tensor=tensor))
+    path.write_text("tensor = 2\nparallel = dict(tensor=tensor, pipeline=dict(size=2))\npipeline = 2\n")
+    cfg = load_config(path)
+    assert cfg.parallel.tensor.size == 2 and cfg.tensor == 2 and cfg.pipeline == 2
+
+
+TITAN_MEGATRON = [
+    ("tensor_parallel_degree", "parallel.tensor"),
+    ("pipeline_parallel_degree", "parallel.pipeline"),
+    ("context_parallel_degree", "parallel.context"),
+    ("expert_parallel_degree", "parallel.expert"),
+    ("data_parallel_shard_degree", "parallel.data.shard"),
+    ("data_parallel_replicate_degree", "parallel.data.replicate"),
+    ("tensor_model_parallel_size", "parallel.tensor"),
+    ("pipeline_model_parallel_size", "parallel.pipeline"),
+    ("context_parallel_size", "parallel.context"),
+    ("expert_model_parallel_size", "parallel.expert"),
+]
+
+
+@pytest.mark.parametrize(("key", "path"), TITAN_MEGATRON)
+def test_torchtitans_and_megatrons_names_are_refused(key: str, path: str) -> None:
+    # in a section of any name, with other keys beside (torchtitan's [parallelism] has many)
+    entry = {key: 2, "enable_async_tensor_parallel": True, "schedule": "1F1B", "x": 1}
+    for name in ("parallelism", "model_parallel", "megatron"):
+        with pytest.raises(ConfigError) as info:
+            Config({name: entry})
+        text = str(info.value)
+        assert f"{key}=2 (parallelctx's {path})" in text and f"{key} -> {path}" in text, text
+    # at the top level
+    with pytest.raises(
+        ConfigError, match=rf"top-level {key}=2 is torchtitan's or Megatron's name for {path}"
+    ):
+        Config({key: 2})
+    # kept when the real section has that value (options handed to Megatron's bridge)
+    there = {"tensor": 2, "pipeline": 2, "context": 2, "expert": 2, "data": {"shard": 2, "replicate": 2}}
+    assert Config({"parallel": there, "megatron": {key: 2, "num_layers": 4}}).megatron[key] == 2
+
+
+def test_torchtitans_section_from_a_toml_file(tmp_path: Path) -> None:
+    path = tmp_path / "titan.toml"
+    path.write_text("[parallelism]\ntensor_parallel_degree = 2\ndata_parallel_shard_degree = -1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert (
+        "tensor_parallel_degree -> parallel.tensor, data_parallel_shard_degree -> parallel.data.shard" in text
+    )
+
+
+@pytest.mark.parametrize("value", ["2", 2.0, True, None, [2]])
+def test_any_value_of_a_sections_key_counts_under_a_setup_name(value: object) -> None:
+    for name in ("parallelism", "model_parallel"):
+        with pytest.raises(ConfigError, match=rf"section '{name}' holds parallel's key tensor="):
+            Config({name: {"tensor": value}})
+    assert Config({"vision": {"tensor": value}}).vision["tensor"] == value  # not under another name
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"model_parallel": {"tensor": 2}},
+        {"distributed": {"backend": "nccl", "timeout": 60}},
+        {"parallelism": {"tensor": 2, "pipeline": 2}},
+        {"parallelism": {"tensor": 2, "zero_stage": 1, "fsdp": True}},  # an axis of its shape: enough
+        {"distributed_sampler": {"timeout": 10, "backend": "gloo", "shuffle": True}},  # more than half
+    ],
+)
+def test_a_setup_name_with_mostly_the_sections_keys_is_refused(entry: dict) -> None:
+    name = next(iter(entry))
+    with pytest.raises(ConfigError, match=rf"^config: section '{name}' holds "):
+        Config(entry)
+
+
+def test_a_yaml_anchor_merged_into_the_section_is_kept(tmp_path: Path) -> None:
+    path = tmp_path / "anchor.yaml"
+    path.write_text("defaults: &par\n  tensor: 2\n  pipeline: 2\nparallel:\n  <<: *par\n")
+    cfg = load_config(path)
+    assert cfg.parallel.tensor.size == 2 and cfg.defaults == {"tensor": 2, "pipeline": 2}
+    dist = Config({"common": {"backend": "gloo", "timeout": 60}, "dist": {"backend": "gloo", "timeout": 60}})
+    assert dist.common["timeout"] == 60
+    # a value the section does not have: still refused, naming it
+    path.write_text("defaults: &par\n  tensor: 2\n  pipeline: 2\nparallel:\n  <<: *par\n  tensor: 4\n")
+    with pytest.raises(ConfigError, match=r"section 'defaults' holds parallel's keys tensor=2, pipeline=2"):
+        load_config(path)
+    with pytest.raises(ConfigError, match=r"section 'layout' holds parallel's keys tensor=2, pipeline=4"):
+        Config({"layout": {"tensor": 2, "pipeline": 4}, "parallel": {"tensor": 2}})
+
+
+@pytest.mark.parametrize(
+    ("entry", "trigger"),
+    [
+        ({"dsit": {"timout": 60}}, "it holds timout=60, close to dist's key 'timeout'; "),
+        ({"dis": {"lr": 1, "init_method": "env://"}}, "it holds dist's key init_method='env://'; "),
+        ({"paralel": {"tensr": 2}}, "it holds tensr=2; "),
+        ({"Parallel": {"tensor": 2, "pipeline": 4}}, "it holds parallel's keys tensor=2, pipeline=4; "),
+    ],
+)
+def test_a_name_typos_message_says_which_key_triggered_it(entry: dict, trigger: str) -> None:
+    name = next(iter(entry))
+    with pytest.raises(ConfigError) as info:
+        Config(entry)
+    text = str(info.value)
+    assert f"top-level section {name!r} is not read by parallelctx; did you mean" in text, text
+    assert trigger in text, text
+
+
+def test_an_integral_float_under_a_seed_typo_is_refused() -> None:
+    for entry in ({"speed": 3.0}, {"Seed": 3.0}):
+        with pytest.raises(ConfigError, match="did you mean 'seed'"):
+            Config(entry)
+    for value in (1.5, float("nan"), float("inf")):
+        assert Config({"speed": value}).to_dict()["speed"] is value

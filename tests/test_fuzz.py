@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from parallelctx import Config, ConfigError, LayoutError, plan
 from parallelctx.args import LaunchArgumentError, validate_launch_args
 from parallelctx.config import misplaced_section, near_miss_section, validate_init_method
-from parallelctx.config.sections import DIST_KEYS
+from parallelctx.config.sections import _near_dist_key
 from parallelctx.env import LaunchEnvError, detect
 from parallelctx.hostlist import HostlistError, count_hostlist, expand_hostlist, first_host
 from parallelctx.limits import MAX_SEED, MAX_TIMEOUT_SECONDS, MAX_WORLD_SIZE, MIN_TIMEOUT_SECONDS
@@ -219,12 +219,16 @@ def _check_accepted_config(data: dict, cfg: Config) -> None:
         near = near_miss_section(key)
         if near == "parallel":
             assert not (isinstance(value, Mapping) and value), (key, value)
-        elif near == "dist":
-            assert not (isinstance(value, Mapping) and set(value) & set(DIST_KEYS)), (key, value)
-        elif near == "seed":
-            assert isinstance(value, bool) or not isinstance(value, (int, float)), (key, value)
+        elif near == "dist":  # no key of dist's holding a value of that key's shape
+            assert not (isinstance(value, Mapping) and any(_near_dist_key(k, v) for k, v in value.items()))
+        elif near == "seed":  # no integer, integral float or string of digits
+            assert (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or (isinstance(value, float) and not (math.isfinite(value) and value.is_integer()))
+            ), (key, value)
             assert not (isinstance(value, str) and value.strip().isdigit()), (key, value)
-        assert misplaced_section(key, value) is None, (key, value)
+        assert misplaced_section(key, value, data) is None, (key, value)
     for key, value in data.items():
         if key not in ("parallel", "dist", "seed"):
             assert cfg[key] == value or isinstance(value, dict)

@@ -508,7 +508,7 @@ class Config(Section):
             ``ValidationError``); the error names the key path and what would be valid.
         ConfigError: a top-level entry that holds an owned section's content under another
             name (``parallelism = dict(tensor=2, pipeline=2)``, ``paralel = dict(...)``,
-            ``Seed = 3``; see :func:`~parallelctx.config.sections.misplaced_section`; the
+            ``Seed = 3``, ``tensor = 2`` at the top level; see :func:`~parallelctx.config.sections.misplaced_section`; the
             entries listed in a top-level ``user_sections`` are never refused so);
             ``user_sections`` is not a list of names; ``data`` is not a mapping; it nests
             deeper than 64 levels, holds more than a million values or contains itself (see
@@ -535,7 +535,7 @@ class Config(Section):
         for key, value in data.items():
             if key in own:
                 continue
-            misplaced = misplaced_section(key, value)
+            misplaced = misplaced_section(key, value, data)
             if misplaced is None:
                 continue
             if misplaced.by_name and key == misplaced.section.upper() and misplaced.section in data:
