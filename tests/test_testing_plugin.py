@@ -456,3 +456,125 @@ def test_the_same_lambda_everywhere(fn):
         ]
     )
     assert "<lambda>" in text and " at 0x" not in text.split("collected test_unsent.py")[1].split("\n")[0]
+
+
+def test_a_parameter_that_cannot_be_sent_and_cannot_be_told_apart_is_refused(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value that does not pickle (it holds a lock) and has the default repr: every case has
+    the same text, so an equal text proves nothing while the controller hashes strings otherwise
+    than the ranks; each case fails naming the parameter and the case it cannot be told from,
+    rather than run another case's value. A single such case has no twin and runs."""
+    monkeypatch.setenv("PYTHONHASHSEED", "3")
+    monkeypatch.setenv("DROP_HASHSEED", "1")
+    pytester.makeconftest(HASH_CONFTEST.replace("item.callspec.params", "{}"))
+    pytester.makepyfile(
+        test_unsent_repr=HEADER
+        + f"""
+import threading
+
+class Case:
+    def __init__(self, name):
+        self.name, self.lock = name, threading.Lock()
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("case", [Case(n) for n in {NAMES}])
+def test_default_repr(case):
+    pass
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("case", [Case("only")])
+def test_one_case(case):
+    assert case.name == "only"
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(failed=6, passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*rank ? cannot tell whether its case=<test_unsent_repr.Case object> of "
+            "test_unsent_repr.py::test_default_repr[[]case?[]] is the controller's: the controller's value "
+            "cannot be sent to the ranks (*pickle*), its text is also that of "
+            "test_unsent_repr.py::test_default_repr[[]case?[]], and the controller hashes strings otherwise "
+            "than the ranks (they run with PYTHONHASHSEED='0')*give the value a repr that tells the cases "
+            "apart, or parametrize over values*"
+        ]
+    )
+
+
+def test_the_marks_of_a_case_follow_the_controllers_value(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pytest.param(value, marks=...)`` over a set: where a rank's own case under an id is
+    another than the controller's, the rank takes the controller's case's marks with its value,
+    so no case is skipped with another case's reason; xfail (applied by the controller) still
+    turns the controller's xfail case's failure into an xfail."""
+    monkeypatch.setenv("PYTHONHASHSEED", "3")
+    monkeypatch.setenv("DROP_HASHSEED", "1")
+    pytester.makeconftest(HASH_CONFTEST)
+    pytester.makepyfile(
+        test_case_marks=HEADER
+        + f"""
+def marks(name):
+    if name == "gamma":
+        return pytest.mark.skip(reason="gamma unsupported")
+    if name == "beta":
+        return pytest.mark.xfail(reason="beta is broken", strict=True)
+    return ()
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("cfg", [pytest.param(dict(name=n), marks=marks(n)) for n in {NAMES}])
+def test_marks(cfg, request):
+    names = sorted(m.name for m in request.node.iter_markers() if m.name in ("skip", "xfail"))
+    Path(f"seen-{{gpc.get_global_rank()}}-{{request.node.name}}.json").write_text(json.dumps([cfg, names]))
+    assert cfg["name"] != "beta"
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rsx", timeout=300)
+    result.assert_outcomes(passed=4, skipped=1, xfailed=1)
+    controller = json.loads((pytester.path / "controller.json").read_text())
+    seen = sorted(pytester.path.glob("seen-*.json"))
+    assert len(seen) == 10, [p.name for p in seen]  # 5 cases run (gamma skipped) x 2 ranks
+    for path in seen:
+        cfg, names = json.loads(path.read_text())
+        nodeid = next(n for n in controller if n.endswith("::" + path.stem.split("-", 2)[2]))
+        assert cfg == controller[nodeid]["cfg"], path.name
+        assert names == (["xfail"] if cfg["name"] == "beta" else []), (path.name, names)
+
+
+def test_a_value_equal_to_the_controllers_keeps_its_identity(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A value whose pickle follows the hash seed (an object holding a set of strings) but holds
+    the same as the controller's is the rank's own case: the rank keeps its own object (the
+    module's, for lookups by identity) rather than a copy, whether or not the class defines
+    ``==``; a value that differs is still replaced."""
+    monkeypatch.setenv("PYTHONHASHSEED", "3")
+    monkeypatch.setenv("DROP_HASHSEED", "1")
+    pytester.makeconftest(HASH_CONFTEST.replace("item.callspec.params", "{}"))
+    pytester.makepyfile(
+        test_identity=HEADER
+        + """
+class Case:
+    def __init__(self, name, tags):
+        self.name, self.tags = name, tags
+
+class Equal(Case):
+    def __eq__(self, other):
+        return isinstance(other, Equal) and (self.name, self.tags) == (other.name, other.tags)
+
+    __hash__ = object.__hash__
+
+TAGS = [{"fp32", "cpu", "gloo", "eager"}, {"bf16", "fused", "compile", "nccl"}]
+CASES = [Case("small", TAGS[0]), Case("large", TAGS[1])]
+EQUALS = [Equal("small", TAGS[0]), Equal("large", TAGS[1])]
+EXPECTED = {id(case): case.name for case in CASES + EQUALS}
+
+@pytest.mark.parallel(world_size=2)
+@pytest.mark.parametrize("case", CASES + EQUALS)
+def test_lookup(case):
+    assert EXPECTED.get(id(case)) == case.name, f"{case.name}: a copy of the module's case"
+"""
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(passed=4)

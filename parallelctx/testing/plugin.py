@@ -541,11 +541,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         problem = f"could not start a pool of {world_size} ranks: {exc}"
     if problem:
         pytest.fail(problem, pytrace=False)
-    sent, unsent = pack_params(pyfuncitem)
+    packed = pack_params(pyfuncitem)
+    unsent = packed["unsent"]
     # the ranks take the values sent: only those that could not be sent must agree across ranks
     problem = pool.collection_problem(pyfuncitem.nodeid, compare_params=bool(unsent))
     if problem and unsent:
-        reasons = "; ".join(f"{name}: {reason}" for name, (_, reason) in sorted(unsent.items()))
+        reasons = "; ".join(f"{name}: {reason}" for name, (_, reason, _) in sorted(unsent.items()))
         problem += (
             f". The controller's values of {sorted(unsent)} cannot be sent to the ranks ({reasons}): "
             f"{WAY_ROUND}"
@@ -562,8 +563,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         "tmp_path": str(_test_folder(pyfuncitem)),
         "lazy_default_group": bool((config.get("dist") or {}).get("gloo_lazy_init", True)),
         "next": pyfuncitem.stash.get(_NEXT, None),
-        "param_values": sent,
-        "param_unsent": unsent,
+        "params": packed,
     }
     try:
         outcome = pool.run(spec, timeout)
@@ -604,7 +604,7 @@ def _run_simulated(
     from .report import raise_for
 
     pools: PoolSet = item.config.stash[_POOLS]
-    sent, unsent = pack_params(item)
+    packed = pack_params(item)
     size = min(len(ranks), SIMULATE_POOL_SIZE)
     reports: dict[int, Any] = {}
     for start in range(0, len(ranks), size):
@@ -618,8 +618,7 @@ def _run_simulated(
             "cwd": str(Path.cwd()),
             "tmp_path": str(_test_folder(item)),
             "simulate": {"world_size": world_size, "ranks": batch},
-            "param_values": sent,
-            "param_unsent": unsent,
+            "params": packed,
         }
         try:
             pool = pools.get(size)

@@ -17,6 +17,7 @@ A test runs with the controller's parameter values, sent with it where they pick
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import pickle
@@ -24,6 +25,7 @@ import re
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -92,14 +94,31 @@ MAX_PARAM_BYTES = 16 * 2**20
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def _param_text(value: Any) -> str:
-    """``repr(value)`` without object addresses, at most 300 characters (a repr that raises is
-    still a value: the text says which exception)."""
+def _full_text(value: Any) -> str:
+    """``repr(value)`` without object addresses (a repr that raises is still a value: the text
+    says which exception)."""
     try:
         text = repr(value)
     except Exception as exc:
         text = f"<repr raised {type(exc).__name__}>"
-    return _ADDRESS.sub("", text)[:300]
+    return _ADDRESS.sub("", text)
+
+
+def _param_text(value: Any) -> str:
+    """:func:`_full_text` cut at 300 characters, to show in a message."""
+    return _full_text(value)[:300]
+
+
+def _text_key(value: Any) -> str:
+    """A digest of the whole :func:`_full_text` of ``value``, to compare across processes."""
+    return hashlib.sha256(_full_text(value).encode(errors="replace")).hexdigest()
+
+
+def _hash_probe() -> int:
+    """The hash of a fixed string: equal in two processes exactly when they hash ``str`` alike
+    (the same hash seed), so that a set of strings (and what is built by iterating it) has the
+    same order in both."""
+    return hash("parallelctx: the order of a set of strings")
 
 
 def params_of(item: pytest.Item) -> str:
@@ -126,25 +145,36 @@ def _pickled(value: Any) -> tuple[bytes | None, str]:
     return data, ""
 
 
-def pack_params(item: pytest.Item) -> tuple[dict[str, bytes], dict[str, tuple[str, str]]]:
-    """The controller's parameter values of ``item``, to send to its ranks (:func:`take_params`):
-    each value pickled where it can be, else its text (as :func:`params_of` shows it) and why it
-    cannot be sent (a lambda, a generator, a value over :data:`MAX_PARAM_BYTES` pickled).
+def pack_params(item: pytest.Item) -> dict[str, Any]:
+    """The controller's parameter values of ``item`` and their marks, to send to its ranks
+    (:func:`take_params`): each value pickled where it can be, else its text (as
+    :func:`params_of` shows it), a digest of its whole text and why it cannot be sent (a lambda,
+    a generator, a value over :data:`MAX_PARAM_BYTES` pickled); the case's own marks
+    (``pytest.param(..., marks=...)``, pickled where they can be, and their text); and how this
+    process hashes strings (:func:`_hash_probe`).
 
     Returns:
-        ``(sent, unsent)``: ``{name: pickled value}`` and ``{name: (text, reason)}``; both empty
-        for a test without parameters.
+        ``{"values": {name: pickled value}, "unsent": {name: (text, reason, digest)},
+        "marks": (pickled marks or None, their text, reason), "hash_probe": int}``; values and
+        unsent are empty for a test without parameters.
     """
     callspec = getattr(item, "callspec", None)
     sent: dict[str, bytes] = {}
-    unsent: dict[str, tuple[str, str]] = {}
+    unsent: dict[str, tuple[str, str, str]] = {}
     for name, value in (callspec.params if callspec is not None else {}).items():
         data, reason = _pickled(value)
         if data is None:
-            unsent[name] = (_param_text(value), reason)
+            unsent[name] = (_param_text(value), reason, _text_key(value))
         else:
             sent[name] = data
-    return sent, unsent
+    marks = list(callspec.marks) if callspec is not None else []
+    marks_data, marks_reason = _pickled(marks)
+    return {
+        "values": sent,
+        "unsent": unsent,
+        "marks": (marks_data, _full_text(marks), marks_reason),
+        "hash_probe": _hash_probe(),
+    }
 
 
 #: What to do when a parameter differs between the controller and a rank and cannot be sent.
@@ -156,17 +186,139 @@ WAY_ROUND = (
 )
 
 
+def _same(mine: Any, theirs: Any, depth: int = 0) -> bool:
+    """Whether ``mine`` (a rank's own parameter value) holds what ``theirs`` (the controller's,
+    unpickled here) holds: the same object, ``==`` that answers True, or, for containers and
+    objects that compare by identity (no ``__eq__`` of their own), the same type with the same
+    items or the same state (``__reduce_ex__``), compared alike. A value whose own ``==``
+    answers anything else (False, an array) is not the same."""
+    if mine is theirs:
+        return True
+    if type(mine) is not type(theirs) or depth > 40:
+        return False
+    try:
+        equal = mine == theirs
+    except Exception:
+        equal = False
+    if equal is True:
+        return True
+    if isinstance(mine, (list, tuple)):
+        return len(mine) == len(theirs) and all(
+            _same(a, b, depth + 1) for a, b in zip(mine, theirs, strict=True)
+        )
+    if isinstance(mine, dict):
+        return list(mine) == list(theirs) and all(_same(mine[k], theirs[k], depth + 1) for k in mine)
+    if type(mine).__eq__ is not object.__eq__:
+        return False  # its own equality said no
+    try:
+        reduced = (mine.__reduce_ex__(pickle.HIGHEST_PROTOCOL), theirs.__reduce_ex__(pickle.HIGHEST_PROTOCOL))
+    except Exception:
+        return False
+    if not all(isinstance(r, tuple) for r in reduced):
+        return False  # a global (a function, a class): only itself is the same
+    return _same(reduced[0], reduced[1], depth + 1)
+
+
+def _twin(item: pytest.Item, name: str, items: Iterable[pytest.Item]) -> str:
+    """The node id of another case of ``item``'s test function whose value of ``name`` has the
+    same text as ``item``'s (another value: another index), or "" when the text tells the case
+    apart from the test's other cases."""
+    callspec = item.callspec  # type: ignore[attr-defined]
+    key = _text_key(callspec.params[name])
+    index = callspec.indices.get(name)
+    for other in items:
+        spec = getattr(other, "callspec", None)
+        if (
+            other is item
+            or spec is None
+            or other.parent is not item.parent
+            or getattr(other, "originalname", None) != getattr(item, "originalname", None)
+            or name not in spec.params
+            or spec.indices.get(name) == index
+        ):
+            continue
+        if _text_key(spec.params[name]) == key:
+            return other.nodeid
+    return ""
+
+
+def _take_marks(item: pytest.Item, packed: Any, replaced: bool, rank: int) -> str:
+    """Give ``item`` the marks of the controller's case (:func:`pack_params`) in place of those
+    of its own case under that id (``skip``, ``skipif``, ``xfail``, ``filterwarnings``...), where
+    they differ. Marks that cannot be sent must have the same text as this rank's, and the
+    rank's values must be its own or the text must name no object by address; a difference in
+    ``usefixtures`` is refused (pytest chose the test's fixtures at collection).
+
+    Returns:
+        "" when the item has the controller's marks; otherwise the problem.
+    """
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or packed is None:
+        return ""
+    data, text, reason = packed
+    own = list(callspec.marks)
+    if data is None:
+        if _full_text(own) == text and (not replaced or not _ADDRESS.search(repr(own))):
+            return ""
+        return (
+            f"rank {rank} collected {item.nodeid} with other parameter values than the controller, and the "
+            f"marks of the controller's case cannot be sent to the ranks ({reason}): its marks "
+            f"{text[:300]}, the rank's {_param_text(own)}; give the marks of pytest.param(..., marks=...) "
+            f"arguments that pickle, or {WAY_ROUND}"
+        )
+    if _pickled(own)[0] == data:
+        return ""
+    try:
+        theirs: list[Any] = pickle.loads(data)
+    except Exception as exc:
+        return (
+            f"rank {rank} could not read the marks of the controller's case of {item.nodeid} "
+            f"({type(exc).__name__}: {exc}), and its own differ: {_param_text(own)}; {WAY_ROUND}"
+        )
+    try:
+        if own == theirs:
+            return ""
+    except Exception:
+        pass
+
+    def fixtures(marks: list[Any]) -> list[Any]:
+        return sorted(str(a) for m in marks if m.name == "usefixtures" for a in m.args)
+
+    if fixtures(own) != fixtures(theirs):
+        return (
+            f"rank {rank} collected {item.nodeid} with marks {_param_text(own)}, the controller with "
+            f"{_param_text(theirs)}: their usefixtures differ, and the fixtures of a test are chosen when "
+            f"it is collected; {WAY_ROUND}"
+        )
+    names_left = {kept.name for kept in item.own_markers if not any(kept is o for o in own)}
+    item.own_markers[:] = [m for m in item.own_markers if not any(m is o for o in own)] + list(theirs)
+    callspec.marks[:] = theirs
+    keywords: dict[str, Any] | None = getattr(item.keywords, "_markers", None)
+    for name in {mark.name for mark in own} - names_left:
+        if keywords is not None and any(keywords.get(name) is mark for mark in own):
+            del keywords[name]  # a mark of the rank's own case alone
+    item.keywords.update((mark.name, mark) for mark in theirs)
+    return ""
+
+
 def take_params(
-    item: pytest.Item, sent: dict[str, bytes], unsent: dict[str, tuple[str, str]], rank: int
+    item: pytest.Item, packed: dict[str, Any], rank: int, items: Iterable[pytest.Item] = ()
 ) -> str:
-    """Give ``item`` (this rank's collection of the test) the controller's parameter values
-    (:func:`pack_params`), so that the test runs with the values of the test id the controller
-    reports even where collecting them again gives others (a set's order under another hash
-    seed, a random value). A sent value replaces this rank's in ``item.callspec.params`` (so
-    the test's arguments, ``request.param`` of indirect and fixture parameters and
-    ``request.node.callspec`` all have it) unless it pickles to the same bytes as this rank's,
-    which is then kept (the same object as the module's, for tests that compare by identity).
-    A value that could not be sent must equal this rank's by its text.
+    """Give ``item`` (this rank's collection of the test) the controller's parameter values and
+    the marks of its case (:func:`pack_params`), so that the test runs with the values of the
+    test id the controller reports even where collecting them again gives others (a set's order
+    under another hash seed, a random value).
+
+    A sent value replaces this rank's in ``item.callspec.params`` (so the test's arguments,
+    ``request.param`` of indirect and fixture parameters and ``request.node.callspec`` all have
+    it) unless this rank's holds the same (it pickles to the same bytes, or :func:`_same`: equal
+    by ``==``, or of the same type with the same state), which is then kept (the same object as
+    the module's, for tests that compare by identity). A value that could not be sent must have
+    the same text as this rank's, and the text must tell this case apart from the test's other
+    cases (``items``: this rank's collection; not the default ``<mod.Case object>`` of every
+    case) unless this rank hashes strings as the controller did (the same hash seed: both
+    collected in the same order). Where a value is replaced, the case's own marks are the
+    controller's too (:func:`_take_marks`).
 
     Returns:
         "" when the values are the controller's; otherwise the problem: the parameter, both
@@ -174,32 +326,51 @@ def take_params(
     """
     callspec = getattr(item, "callspec", None)
     params: dict[str, Any] = callspec.params if callspec is not None else {}
+    sent: dict[str, bytes] = packed.get("values") or {}
+    unsent: dict[str, tuple[str, str, str]] = packed.get("unsent") or {}
     if set(params) != set(sent) | set(unsent):
         return (
             f"rank {rank} collected {item.nodeid} with parameters {sorted(params)}, the controller with "
             f"{sorted(set(sent) | set(unsent))}: the ranks collect the test files themselves; "
             f"{WAY_ROUND}"
         )
+    seed = os.environ.get("PYTHONHASHSEED", "")
+    same_order = packed.get("hash_probe") == _hash_probe()
+    for name, (text, reason, key) in unsent.items():
+        mine = _param_text(params[name])
+        if _text_key(params[name]) != key:
+            return (
+                f"rank {rank} collected {item.nodeid} with {name}={mine}, the controller with {name}={text}, "
+                f"and the controller's value cannot be sent to the ranks ({reason}; the ranks run with "
+                f"PYTHONHASHSEED={seed!r}); {WAY_ROUND}"
+            )
+        twin = "" if same_order else _twin(item, name, items)
+        if twin:
+            return (
+                f"rank {rank} cannot tell whether its {name}={mine} of {item.nodeid} is the controller's: "
+                f"the controller's value cannot be sent to the ranks ({reason}), its text is also that of "
+                f"{twin}, and the controller hashes strings otherwise than the ranks (they run with "
+                f"PYTHONHASHSEED={seed!r}), so the cases may be in another order; give the value a repr "
+                f"that tells the cases apart, or {WAY_ROUND}"
+            )
+    replaced: dict[str, Any] = {}
     for name, data in sent.items():
         if _pickled(params[name])[0] == data:
             continue
         try:
-            params[name] = pickle.loads(data)
+            theirs = pickle.loads(data)
         except Exception as exc:
             return (
                 f"rank {rank} could not read the controller's value of parameter {name!r} of {item.nodeid} "
                 f"({type(exc).__name__}: {exc}), and its own differs: {name}={_param_text(params[name])}; "
                 f"{WAY_ROUND}"
             )
-    for name, (text, reason) in unsent.items():
-        mine = _param_text(params[name])
-        if mine != text:
-            seed = os.environ.get("PYTHONHASHSEED", "")
-            return (
-                f"rank {rank} collected {item.nodeid} with {name}={mine}, the controller with {name}={text}, "
-                f"and the controller's value cannot be sent to the ranks ({reason}; the ranks run with "
-                f"PYTHONHASHSEED={seed!r}); {WAY_ROUND}"
-            )
+        if not _same(params[name], theirs):
+            replaced[name] = theirs
+    problem = _take_marks(item, packed.get("marks"), bool(replaced), rank)
+    if problem:
+        return problem
+    params.update(replaced)
     return ""
 
 
@@ -573,7 +744,7 @@ def _run_one(
             f"rank {rank} could not collect {spec['nodeid']}",
             f"rank {rank} could not collect {spec['nodeid']}:\n{errors}",
         )
-    problem = take_params(item, spec.get("param_values") or {}, spec.get("param_unsent") or {}, rank)
+    problem = take_params(item, spec.get("params") or {}, rank, items.values())
     if problem:
         return _failed(rank, problem)
     state = _State()
