@@ -343,6 +343,7 @@ def pytest_collection_modifyitems(config, items):
 NAMES = '{"alpha", "beta", "gamma", "delta", "eps", "zeta"}'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", ["3", "random"])
 def test_parametrize_over_a_set_takes_the_controllers_values(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, seed: str
@@ -421,6 +422,7 @@ def test_a_value_sent_alike_keeps_its_identity(x):
         assert differ > 0, "the ranks collected the controller's order: the check proved nothing"
 
 
+@pytest.mark.slow
 def test_a_parameter_that_cannot_be_sent_and_differs_is_refused_by_name(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -458,6 +460,7 @@ def test_the_same_lambda_everywhere(fn):
     assert "<lambda>" in text and " at 0x" not in text.split("collected test_unsent.py")[1].split("\n")[0]
 
 
+@pytest.mark.slow
 def test_a_parameter_that_cannot_be_sent_and_cannot_be_told_apart_is_refused(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -502,6 +505,7 @@ def test_one_case(case):
     )
 
 
+@pytest.mark.slow
 def test_the_marks_of_a_case_follow_the_controllers_value(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -542,6 +546,7 @@ def test_marks(cfg, request):
         assert names == (["xfail"] if cfg["name"] == "beta" else []), (path.name, names)
 
 
+@pytest.mark.slow
 def test_a_value_equal_to_the_controllers_keeps_its_identity(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
