@@ -18,6 +18,7 @@ are exactly a fresh launch of the smaller layout.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -94,18 +95,7 @@ def shrink(layout: Layout, exclude: Iterable[int], rule: str = "data") -> Shrunk
     replicate = layout.replicate if rule == "data" else layout.replicate - len(lost)
     data = layout.data - len(lost) if rule == "data" else replicate * shard
     try:
-        smaller = Layout(
-            len(survivors),
-            tensor=layout.tensor,
-            pipeline=layout.pipeline,
-            context=layout.context,
-            expert=layout.expert,
-            expert_tensor=layout.expert_tensor,
-            order=layout.order,
-            replicate=replicate,
-            gtp_remat=layout.gtp_remat,
-            expert_gtp_remat=layout.expert_gtp_remat,
-        )
+        smaller = dataclasses.replace(layout, world_size=len(survivors), replicate=replicate)
     except LayoutError as exc:
         other = "parallel.reform='replicate' may fit, or " if rule == "data" and layout.replicate > 1 else ""
         raise LayoutError(
