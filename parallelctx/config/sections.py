@@ -440,7 +440,7 @@ def _misplaced_mapping(
                 shown = f"{key}={_shown(item, 30)}"
                 trigger = f"dist's key {shown}" if key == real else f"{shown}, close to dist's key {real!r}"
                 break
-    if trigger and (not found or by_name in dict(found)):
+    if trigger and (not found or by_name in dict(found) or by_name == "parallel"):
         return Misplaced(name, value, str(by_name), found, by_name=True, trigger=trigger)
     if found and all(_key_in_use(config, k, value[k]) for _, keys in found for k in keys):
         return None  # the section's keys it holds are the real section's values (Megatron's options)

@@ -29,14 +29,12 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ..guard.abort import socket_inodes
 from ..guard.sockets import shut_down_fd
 from .rendezvous import ABANDONED
 
@@ -45,6 +43,7 @@ __all__ = ["Abandoned", "Bell", "Line", "abandon"]
 logger = logging.getLogger("parallelctx")
 
 _DONE = b"done"
+_LOOK = 8  # descriptors looked at from the lowest free one for a new store connection
 
 
 @dataclass(frozen=True)
@@ -97,18 +96,6 @@ def _peer_port(fd: int, inode: int) -> int | None:
             os.close(copy)
 
 
-def _socket_fds(inodes: Iterable[int]) -> dict[int, int]:
-    """inode -> a descriptor of this process for each of ``inodes`` still open."""
-    wanted, out = set(inodes), {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                target = os.readlink("/proc/self/fd/" + name)
-                if target.startswith("socket:[") and int(target[8:-1]) in wanted:
-                    out[int(target[8:-1])] = int(name)
-    return out
-
-
 class Line:
     """A connection of this rank's own to a TCP store, for one launch attempt: torch's groups of
     the attempt wait on it, and :meth:`cut` shuts it down from any thread, so that such a wait
@@ -122,11 +109,17 @@ class Line:
         self._sockets: dict[int, int] = {}
         if not isinstance(base, dist.TCPStore):
             return
+        # The clone's socket takes the lowest free descriptors (no scan of /proc/self/fd, which
+        # costs with many open files): look at the few from the lowest free one up.
         port = base.port
-        before = socket_inodes()
+        probe = os.open(os.devnull, os.O_RDONLY)
+        os.close(probe)
         self.store = base.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
-        new = [i for i in socket_inodes() if i not in before]
-        self._sockets = {i: fd for i, fd in _socket_fds(new).items() if _peer_port(fd, i) == port}
+        for fd in range(probe, probe + _LOOK):
+            with contextlib.suppress(OSError):
+                inode = os.fstat(fd).st_ino
+                if _peer_port(fd, inode) == port:
+                    self._sockets[inode] = fd
 
     def cut(self) -> int:
         """Shut down the connection (the descriptor stays the store's), unless torch is connecting
