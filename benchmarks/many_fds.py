@@ -11,8 +11,9 @@ records the calling thread's CPU seconds (the cost, whatever else the machine ru
 seconds of the launch and of the abort, the connections abort shut down, how often anything
 listed ``/proc/self/fd`` (the scans issue 34 removed), and the descriptors open after destroy.
 Prints the medians and the ratios (with extra descriptors / without; round 0 warms up and is
-dropped). ``--write-results`` writes the table into benchmarks/RESULTS.md. Timings decide no test
-but the fault test's ratio bound (tests/test_layers.py, marker faults).
+dropped). ``--write-results`` writes the table into benchmarks/RESULTS.md. Timings decide no test:
+the fault test (tests/test_layers.py, marker faults) checks the listings, the leaks and the shut
+connections.
 """
 
 from __future__ import annotations
@@ -36,16 +37,20 @@ CONFIG = {"parallel": {"tensor": 2}, "dist": {"timeout": 120}}
 
 
 def _counting_listdir() -> list[int]:
-    """Count the listings of /proc/self/fd from now on."""
+    """Count the listings of /proc/self/fd (``os.listdir`` or ``os.scandir``) from now on."""
     count = [0]
-    original = os.listdir
+    listdir, scandir = os.listdir, os.scandir
 
-    def listdir(path: Any = ".") -> list[str]:
-        if str(path).startswith("/proc/self/fd"):
-            count[0] += 1
-        return original(path)
+    def counted(original: Any) -> Any:
+        def listing(path: Any = ".") -> Any:
+            if str(path).startswith("/proc/self/fd"):
+                count[0] += 1
+            return original(path)
 
-    os.listdir = listdir  # type: ignore[assignment]
+        return listing
+
+    os.listdir = counted(listdir)  # type: ignore[assignment]
+    os.scandir = counted(scandir)  # type: ignore[assignment]
     return count
 
 

@@ -104,8 +104,10 @@ class Line:
 
     def __init__(self, base: Any) -> None:
         self.store = base
-        #: Set while torch connects the default group's pairs: no cut then (see :meth:`cut`).
-        self.connecting = threading.Event()
+        self._lock = threading.Lock()
+        self._held = False  # torch connects the default group's pairs: no cut (see :meth:`hold`)
+        self._was_cut = False
+        self._wanted = False  # a cut came while held: made on release
         self._sockets: dict[int, int] = {}
         if not isinstance(base, dist.TCPStore):
             return
@@ -121,15 +123,36 @@ class Line:
                 if _peer_port(fd, inode) == port:
                     self._sockets[inode] = fd
 
+    def hold(self) -> bool:
+        """Keep the line uncut from now until :meth:`release`: torch is about to connect the
+        default group's pairs, every rank together, so that ends within moments, and a rank
+        that left it then would leave a peer connecting to its closed listener, which gloo
+        retries in C++ for minutes. Returns False, holding nothing, when the line was already
+        cut (the attempt is over on this rank)."""
+        with self._lock:
+            if self._was_cut:
+                return False
+            self._held = True
+            return True
+
+    def release(self) -> None:
+        """End :meth:`hold`, and make the cut that came meanwhile, if one did; returns None."""
+        with self._lock:
+            self._held = False
+            wanted = self._wanted
+        if wanted:
+            self.cut()
+
     def cut(self) -> int:
-        """Shut down the connection (the descriptor stays the store's), unless torch is connecting
-        the default group's pairs (:attr:`connecting`): every rank got there together, so that
-        ends within moments, and a rank that left it then would leave a peer connecting to its
-        closed listener, which gloo retries in C++ for minutes. Returns how many sockets were
-        shut down. Never raises."""
-        if self.connecting.is_set():
-            return 0
-        return sum(shut_down_fd(fd, inode) for inode, fd in self._sockets.items())
+        """Shut down the connection (the descriptor stays the store's); while it is held
+        (:meth:`hold`), on release instead. Returns how many sockets were shut down now.
+        Never raises."""
+        with self._lock:
+            if self._held:
+                self._wanted = True
+                return 0
+            self._was_cut = True
+            return sum(shut_down_fd(fd, inode) for inode, fd in self._sockets.items())
 
 
 class Bell:

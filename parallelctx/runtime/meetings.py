@@ -232,8 +232,8 @@ class Meetings:
         """Agree with every rank, once, whether this attempt connects its default group's pairs
         (rank 0 posts "go" once every rank arrived; a rank aborted, halted or out of time first
         posts that it calls the attempt off; the store's compare-and-set lets exactly one win),
-        then run the body (torch connecting) with the line uncut
-        (:attr:`parallelctx.runtime.bell.Line.connecting`): from "go" on, every rank connects and
+        then run the body (torch connecting) with the line held uncut from before the decision
+        (:meth:`parallelctx.runtime.bell.Line.hold`): from "go" on, every rank connects and
         none leaves a peer connecting to its closed listener. Yields None.
 
         Raises:
@@ -246,33 +246,38 @@ class Meetings:
             return
         prefix, base = attempt[0], attempt[3]
         store = dist.PrefixStore(prefix + "connect/", base)  # never refused, never cut
-        store.add("arrived", 1)
-        pause = 0.001
-        while True:
-            if rank == 0 and store.add("arrived", 0) >= world_size:
-                decision = store.compare_set("decision", "", "go")
-            elif self.aborted.is_set() or self.halted.is_set() or time.monotonic() >= deadline:
-                decision = store.compare_set("decision", "", f"off:{rank}")
-            elif store.check(["decision"]):
-                decision = store.get("decision")
-            else:
-                time.sleep(pause)
-                pause = min(pause * 2, 0.05)
-                continue
-            break
-        text = decision.decode()
-        if text != "go":
-            caller = int(text.split(":")[1])
-            if caller != rank:
-                self._called_off = Abandoned(caller, prefix)
-            raise RuntimeError(
-                f"parallelctx: rank {caller} called the launch attempt {prefix.rstrip('/')} off before its pairs connected"
-            )
-        bell.line.connecting.set()
+        # Held before the decision can be "go" (a cut between the two would fail this rank's
+        # connection while its peers, held, wait for it in torch until dist.timeout).
+        held = bell.line.hold()
         try:
+            store.add("arrived", 1)
+            pause = 0.001
+            while True:
+                if rank == 0 and held and store.add("arrived", 0) >= world_size:
+                    decision = store.compare_set("decision", "", "go")
+                elif (
+                    not held or self.aborted.is_set() or self.halted.is_set() or time.monotonic() >= deadline
+                ):
+                    decision = store.compare_set("decision", "", f"off:{rank}")
+                elif store.check(["decision"]):
+                    decision = store.get("decision")
+                else:
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
+                    continue
+                break
+            text = decision.decode()
+            if text != "go":
+                caller = int(text.split(":")[1])
+                if caller != rank:
+                    self._called_off = Abandoned(caller, prefix)
+                raise RuntimeError(
+                    f"parallelctx: rank {caller} called the launch attempt {prefix.rstrip('/')} off before its pairs connected"
+                )
             yield
         finally:
-            bell.line.connecting.clear()
+            if held:
+                bell.line.release()
 
     def cut(self) -> None:
         """End a wait inside torch on this launch attempt's store connection, from any thread
