@@ -3,7 +3,7 @@
 Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
 
 * ``skip``: ranks 1, 5 and 7 all-reduce on the data group; rank 3 never enters it (it sleeps).
-  ``dist.hang_report.after`` is 2 s; a handler records each report and calls ``report.abort()``
+  ``dist.hang_report.after`` is 4 s; a handler records each report and calls ``report.abort()``
   2 s later, which ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
   process and proves the relaunch with a data-group all-reduce against the serial sum.
 * ``mismatch``: on the tensor group {0, 1} rank 0 calls ``all_reduce`` and rank 1 ``broadcast``;
@@ -53,7 +53,7 @@ import parallelctx
 from parallelctx import HangReport, ParallelMode, gpc
 
 AFTER = {
-    "skip": 2.0,
+    "skip": 4.0,  # a 2-core CI machine running 8 ranks has been seen to start a rank ~3 s late
     "mismatch": 2.0,
     "healthy": 1.0,
     "slow": 1.0,
@@ -125,6 +125,7 @@ def main() -> int:
         (out / f"rank-{rank}.json").write_text(json.dumps(record))
         return 0
     parallelctx.launch_from_torch(config)
+    print(f"rank {rank} timeline: launched at {time.time():.3f}", file=sys.stderr, flush=True)
     data = gpc.get_group(ParallelMode.DATA)
     if scenario == "healthy":
         for step in range(200):
@@ -155,7 +156,10 @@ def main() -> int:
         elif scenario == "skip" and rank == 3:
             time.sleep(AFTER[scenario] + 6)  # never enters the all-reduce
         elif scenario == "skip":
+            entered["t"] = time.perf_counter()
             dist.all_reduce(torch.ones(4), group=data)  # the other data group completes
+            took = time.perf_counter() - entered["t"]
+            print(f"rank {rank} timeline: data all-reduce took {took:.3f} s", file=sys.stderr, flush=True)
         else:
             time.sleep(AFTER[scenario] + 6)
         gpc.destroy()

@@ -250,7 +250,8 @@ class Meetings:
         # connection while its peers, held, wait for it in torch until dist.timeout).
         held = bell.line.hold()
         try:
-            store.add("arrived", 1)
+            if held:  # a rank whose line is cut never counts as arrived: its "off" wins
+                store.add("arrived", 1)
             pause = 0.001
             while True:
                 if rank == 0 and held and store.add("arrived", 0) >= world_size:
