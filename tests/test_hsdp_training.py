@@ -96,6 +96,7 @@ def test_fsdp2_hsdp_equals_serial() -> None:
 
 
 @pytest.mark.parallel(world_size=8, tensor=2, data=dict(replicate=2, shard=2))
+@pytest.mark.slow
 def test_fsdp2_hsdp_with_tensor_parallel_equals_serial() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

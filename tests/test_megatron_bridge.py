@@ -151,6 +151,7 @@ def _megatron_ranks(case: dict[str, Any], token: str, rank: int, expert: bool = 
     return next(g for g in gen.get_ranks(token) if rank in g)
 
 
+@pytest.mark.slow
 def test_getters_are_discovered(records: list[dict[str, Any]]) -> None:
     getters, excluded = records[0]["getters"], records[0]["excluded"]
     calls = sum(len(v) for v in getters.values())
@@ -182,6 +183,7 @@ def test_getters_are_discovered(records: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_every_getter_matches_megatron(records: list[dict[str, Any]], index: int) -> None:
     for rec in records:
         found = rec["cases"][index]
@@ -192,6 +194,7 @@ def test_every_getter_matches_megatron(records: list[dict[str, Any]], index: int
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_answers_are_the_real_layout(records: list[dict[str, Any]], index: int) -> None:
     # Two equal mistakes would pass the comparison: tie the answers to the pure layouts.
     case = CASES[index]
@@ -217,6 +220,7 @@ def test_answers_are_the_real_layout(records: list[dict[str, Any]], index: int) 
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], index: int) -> None:
     case = CASES[index]
     for rec in records:
@@ -241,6 +245,7 @@ def test_installed_groups_answer_a_collective(records: list[dict[str, Any]], ind
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], index: int) -> None:
     import parallelctx.megatron as bridge
 
@@ -272,6 +277,7 @@ def test_install_makes_only_the_missing_groups(records: list[dict[str, Any]], in
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_uninstall_and_destroy_restore_parallel_state(records: list[dict[str, Any]], index: int) -> None:
     for rec in records:
         restored = rec["cases"][index]["restored"]
@@ -284,6 +290,7 @@ def test_uninstall_and_destroy_restore_parallel_state(records: list[dict[str, An
         }, (rec["rank"], CASES[index]["name"])
 
 
+@pytest.mark.slow
 def test_megatron_layers_match_serial_torch(records: list[dict[str, Any]]) -> None:
     for rec in records:
         diffs = rec["layer_diffs"]
@@ -292,6 +299,7 @@ def test_megatron_layers_match_serial_torch(records: list[dict[str, Any]]) -> No
         assert rec["layer_tp_group"] == layout.group_of(ParallelMode.TENSOR, rec["rank"])
 
 
+@pytest.mark.slow
 def test_tracker_dropout_differs_across_tensor_ranks_and_agrees_across_replicas(
     records: list[dict[str, Any]],
 ) -> None:
@@ -314,6 +322,7 @@ def _draws(seed: int, n: int = 8) -> list[float]:
     return torch.rand(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+@pytest.mark.slow
 def test_model_parallel_cuda_manual_seed_seeds_the_streams_as_megatron(records: list[dict[str, Any]]) -> None:
     # Draws (3 from the tracker, 3 from gpc's stream, 2 from the tracker again) equal a CPU
     # generator seeded with Megatron's formula: one stream, whichever way it is entered.
@@ -335,6 +344,7 @@ def test_model_parallel_cuda_manual_seed_seeds_the_streams_as_megatron(records: 
     assert ep_ranks == {(0, 0), (0, 1), (1, 0), (1, 1)}  # every expert seed was exercised
 
 
+@pytest.mark.slow
 def test_forced_tracker_reset_keeps_gpc_checkpoint_replaying_it(records: list[dict[str, Any]]) -> None:
     for rec in records:
         found = rec["forced_reset_checkpoint"]
@@ -344,6 +354,7 @@ def test_forced_tracker_reset_keeps_gpc_checkpoint_replaying_it(records: list[di
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_process_groups_equal_use_mpu_process_groups(records: list[dict[str, Any]], index: int) -> None:
     # Every field of the collection, by members, None where Megatron leaves it unset.
     fields = set(RELEASE.fields)  # the installed release's ProcessGroupCollection
@@ -357,6 +368,7 @@ def test_process_groups_equal_use_mpu_process_groups(records: list[dict[str, Any
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c["name"] for c in CASES])
+@pytest.mark.slow
 def test_pg_collection_route_leaves_parallel_state_alone(records: list[dict[str, Any]], index: int) -> None:
     case = CASES[index]
     for rec in records:
@@ -373,6 +385,7 @@ def test_pg_collection_route_leaves_parallel_state_alone(records: list[dict[str,
         )
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_recomputes_the_same_masks(records: list[dict[str, Any]]) -> None:
     for rec in records:
         ck = rec["checkpoint"]
@@ -382,6 +395,7 @@ def test_tensor_parallel_checkpoint_recomputes_the_same_masks(records: list[dict
         assert "no-such-rng" in rec["unknown_fork"] and "model-parallel-rng" in rec["unknown_fork"]
 
 
+@pytest.mark.slow
 def test_clear_errors(records: list[dict[str, Any]]) -> None:
     for rec in records:
         assert "already installed" in rec["install_twice"] and "uninstall()" in rec["install_twice"]

@@ -23,6 +23,7 @@ def torchrun_rows(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_twenty_relaunches_under_torchrun_each_proven(torchrun_rows: list[dict]) -> None:
     for row in torchrun_rows:
         assert len(row["cycles"]) == CYCLES + 1
@@ -35,6 +36,7 @@ def test_twenty_relaunches_under_torchrun_each_proven(torchrun_rows: list[dict])
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_size_one_groups_are_no_ops_under_torchrun(torchrun_rows: list[dict]) -> None:
     # tensor=1, context=1, expert=1: all-reduce over each mode's group (and its CPU group) is a
     # no-op on the value; with group=None it would have summed all 8 ranks.

@@ -33,6 +33,7 @@ def parity(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]
     return [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(8)]
 
 
+@pytest.mark.slow
 def test_nine_layouts_ran(parity: list[list[dict[str, Any]]]) -> None:
     layouts = [rec["layout"] for rec in parity[0]]
     assert len(layouts) == 9
@@ -42,6 +43,7 @@ def test_nine_layouts_ran(parity: list[list[dict[str, Any]]]) -> None:
         assert any(lay[i] > 1 for lay in layouts)
 
 
+@pytest.mark.slow
 def test_every_mesh_matches_torchtitans_build(parity: list[list[dict[str, Any]]]) -> None:
     checked = 0
     for rank, records in enumerate(parity):
@@ -62,6 +64,7 @@ def test_every_mesh_matches_torchtitans_build(parity: list[list[dict[str, Any]]]
     assert checked > 8 * 9 * 12
 
 
+@pytest.mark.slow
 def test_the_bridges_groups_hold_those_ranks(parity: list[list[dict[str, Any]]]) -> None:
     for rank, records in enumerate(parity):
         for rec in records:
@@ -72,6 +75,7 @@ def test_the_bridges_groups_hold_those_ranks(parity: list[list[dict[str, Any]]])
                     assert rank in members
 
 
+@pytest.mark.slow
 def test_the_bridge_makes_no_process_group(parity: list[list[dict[str, Any]]]) -> None:
     for records in parity:
         for rec in records:
