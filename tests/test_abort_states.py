@@ -90,3 +90,18 @@ def test_every_rank_aborted_mid_launch_at_different_times_then_relaunches(tmp_pa
     print(
         f"seed {seed}: 20 cycles x 4 ranks relaunched, slowest {slowest:.2f} s; {told} times a rank was told a peer abandoned its attempt"
     )
+
+
+@pytest.mark.timeout(200)
+def test_a_straggler_whose_peer_launched_again_is_back_in_step_after_one_retry(tmp_path: Path) -> None:
+    # Rank 1 starts 4 s late; rank 0's first launch (2 s) failed and it launched again, so rank
+    # 1's first launch is one behind. A retry loop around launch_from_torch, as a user writes it:
+    # rank 1's out-of-step launch fails, its next one takes rank 0's count, and both all-reduce.
+    proc = run_torchrun(2, ["tests/torchrun_straggler.py", str(tmp_path)], timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == [0, 1], proc.stderr[-3000:]
+    for row in rows:
+        assert row["sum"] == 3.0, row  # 1 + 2: the world all-reduce after the retries
+        assert len(row["failed"]) <= 2, row  # before: every try failed, the ranks never in step again
+    assert any("for rank 0 to make the 1st launch" in f for f in rows[1]["failed"]), rows[1]

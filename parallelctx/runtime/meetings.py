@@ -34,7 +34,7 @@ from ..guard.core import Guard
 from ..guard.sockets import FdSlots
 from .bell import Abandoned, Bell, Line, abandon
 from .groups import connects_at_creation
-from .rendezvous import Arrival, connect_store, meet, rank_list
+from .rendezvous import Arrival, RendezvousError, connect_store, meet, rank_list
 
 __all__ = ["REFUSAL_GRACE_S", "DefaultGroup", "Meetings", "init_default_group", "url_of"]
 
@@ -83,6 +83,7 @@ class Meetings:
         self.url: str | None = None  # the URL of the last meeting
         self._launches = 0  # launches begun in this process: the generation of the next meeting
         self._generation_of: tuple[tuple[int, int, int], int | None] = ((0, -1, 0), None)
+        self._lost_step = False  # this rank's last meeting ran out of time: the next pairs with any
 
     def carry(self, url: str, rank: int, world_size: int, new_rank: int, new_world_size: int) -> bool:
         """Let the next launch as rank ``new_rank`` of ``new_world_size`` at ``url`` use the store
@@ -99,18 +100,22 @@ class Meetings:
         self._launches += 1
 
     def _generation(self, base: Any, rank: int, world_size: int) -> int | None:
-        """This launch's generation: which launch of this process it is; None (pairs with any)
-        for the first launch of a process that takes over a rank that launched on this store
-        before (a replaced rank, or every rank after a torchrun restart). Marks the rank's slot."""
+        """This launch's generation: which launch of this process it is; None (pairs with any,
+        and takes rank 0's) for the first launch of a process that takes over a rank that
+        launched on this store before (a replaced rank, or every rank after a torchrun restart),
+        and for the launch after one whose meeting failed on a rank other than 0 (it may have
+        waited for a launch of rank 0 that never came: a straggler, or a rank whose peers timed
+        out and launched again, gets back in step). Marks the rank's slot."""
         if self._generation_of[0] == (self._launches, rank, world_size):
             return self._generation_of[1]  # a meeting again within the same launch
         slot = f"parallelctx/slot/{world_size}/{rank}"
+        lost, self._lost_step = self._lost_step and rank != 0, False
         try:
             taken = self._launches <= 1 and base.check([slot])
             base.set(slot, str(self._launches).encode())
         except Exception:
             return None  # the meeting reports a store that went away
-        generation = None if taken else self._launches
+        generation = None if taken or lost else self._launches
         self._generation_of = ((self._launches, rank, world_size), generation)
         return generation
 
@@ -214,9 +219,13 @@ class Meetings:
             self._launches = theirs
             self._generation_of = ((theirs, rank, world_size), theirs)
 
-        prefix, hosts = meet(
-            kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
-        )
+        try:
+            prefix, hosts = meet(
+                kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
+            )
+        except RendezvousError:
+            self._lost_step = True
+            raise
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:
             line = Line(base)

@@ -647,8 +647,8 @@ def _out_of_step(
         f"{_nth(ours)} launch of its process, as this rank does, but rank 0 is at its {_nth(theirs)}: "
         "the ranks of a job launch in step (each launch after gpc.abort() or a failed launch pairs "
         "only with the other ranks' launches after theirs, so that no rank's relaunch meets "
-        "another rank's attempt that is still to be aborted); launch and gpc.destroy() as often on "
-        f"every rank of the {world_size}, or call gpc.abort() on every rank that should relaunch",
+        "another rank's attempt that is still to be aborted); this rank's next launch pairs with "
+        "rank 0's next one and takes its count, so a retry brings it back in step",
         (0,),
         where,
     )
