@@ -224,7 +224,9 @@ class Meetings:
                 kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
             )
         except RendezvousError:
-            self._lost_step = True
+            # Ran out of time or was refused; not an abort of this rank's, which is no sign of
+            # being out of step (pairing with any would then pair with an attempt to be aborted)
+            self._lost_step = not (self.aborted.is_set() or self.halted.is_set())
             raise
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:
