@@ -5,6 +5,7 @@ serve are in tests/test_abort_states.py and tests/test_reform.py (marker faults)
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -95,3 +96,24 @@ def test_a_bell_nobody_rang_stops_at_once(server: dist.TCPStore) -> None:
     assert bell._thread is not None and not bell._thread.is_alive()
     line.store.set("q/fine", "1")  # not cut
     assert line.store.get("q/fine") == b"1"
+
+
+def test_a_cut_leaves_the_ranks_own_connection_that_sits_among_the_lines_descriptors(
+    server: dist.TCPStore,
+) -> None:
+    # A descriptor the rank closed after its store connection was made: that connection (and an
+    # earlier attempt's line) then sits just above the lowest free descriptor, where the new
+    # line's socket is looked for. Only the line's own socket may be cut.
+    placeholder = os.open(os.devnull, os.O_RDONLY)
+    base = dist.TCPStore("127.0.0.1", server.port, 2, False, timeout=WAIT)
+    os.close(placeholder)
+    first = Line(base)  # takes the placeholder's descriptor, just below the rank's own connection
+    second = Line(base)
+    assert second.cut() == 1
+    first.store.set("first", "1")  # an earlier attempt's line is not this one's
+    assert first.cut() == 1
+    base.set("own", "1")  # the rank's own connection still answers
+    assert base.get("own") == b"1"
+    for line in (first, second):
+        with pytest.raises(RuntimeError):
+            line.store.get("own")

@@ -96,6 +96,17 @@ def _peer_port(fd: int, inode: int) -> int | None:
             os.close(copy)
 
 
+def _store_sockets(fds: range, port: int) -> dict[int, int]:
+    """The connected TCP sockets among ``fds`` whose remote port is ``port``: inode -> fd."""
+    found: dict[int, int] = {}
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            inode = os.fstat(fd).st_ino
+            if _peer_port(fd, inode) == port:
+                found[inode] = fd
+    return found
+
+
 class Line:
     """A connection of this rank's own to a TCP store, for one launch attempt: torch's groups of
     the attempt wait on it, and :meth:`cut` shuts it down from any thread, so that such a wait
@@ -113,15 +124,17 @@ class Line:
             return
         # The clone's socket takes the lowest free descriptors (no scan of /proc/self/fd, which
         # costs with many open files): look at the few from the lowest free one up.
+        # Only a socket that was not there before the clone is the clone's: the rank's own
+        # connection, or an earlier attempt's, may sit in the same few descriptors.
         port = base.port
         probe = os.open(os.devnull, os.O_RDONLY)
         os.close(probe)
+        window = range(probe, probe + _LOOK)
+        before = _store_sockets(window, port)
         self.store = base.clone()  # type: ignore[attr-defined]  # in torch, not in its stubs
-        for fd in range(probe, probe + _LOOK):
-            with contextlib.suppress(OSError):
-                inode = os.fstat(fd).st_ino
-                if _peer_port(fd, inode) == port:
-                    self._sockets[inode] = fd
+        self._sockets = {
+            inode: fd for inode, fd in _store_sockets(window, port).items() if before.get(inode) != fd
+        }
 
     def hold(self) -> bool:
         """Keep the line uncut from now until :meth:`release`: torch is about to connect the

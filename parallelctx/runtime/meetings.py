@@ -83,7 +83,9 @@ class Meetings:
         self.url: str | None = None  # the URL of the last meeting
         self._launches = 0  # launches begun in this process: the generation of the next meeting
         self._generation_of: tuple[tuple[int, int, int], int | None] = ((0, -1, 0), None)
-        self._lost_step = False  # this rank's last meeting ran out of time: the next pairs with any
+        # (rank, world_size) whose last meeting ran out of time or was refused: the next launch as
+        # that rank pairs with any generation
+        self._lost_step: tuple[int, int] | None = None
 
     def carry(self, url: str, rank: int, world_size: int, new_rank: int, new_world_size: int) -> bool:
         """Let the next launch as rank ``new_rank`` of ``new_world_size`` at ``url`` use the store
@@ -109,7 +111,7 @@ class Meetings:
         if self._generation_of[0] == (self._launches, rank, world_size):
             return self._generation_of[1]  # a meeting again within the same launch
         slot = f"parallelctx/slot/{world_size}/{rank}"
-        lost, self._lost_step = self._lost_step and rank != 0, False
+        lost, self._lost_step = self._lost_step == (rank, world_size) and rank != 0, None
         try:
             taken = self._launches <= 1 and base.check([slot])
             base.set(slot, str(self._launches).encode())
@@ -201,7 +203,11 @@ class Meetings:
         self.url = url
         base = self._stores.get(key)
         if base is None:
-            base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
+            try:
+                base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
+            except RendezvousError:  # rank 0's store was not up yet: this launch met nobody
+                self._lost_step = None if self.aborted.is_set() else (rank, world_size)
+                raise
             self._stores[key] = base
         base.set_timeout(timeout)
         self.halted.clear()
@@ -226,7 +232,8 @@ class Meetings:
         except RendezvousError:
             # Ran out of time or was refused; not an abort of this rank's, which is no sign of
             # being out of step (pairing with any would then pair with an attempt to be aborted)
-            self._lost_step = not (self.aborted.is_set() or self.halted.is_set())
+            lost = self.aborted.is_set() or self.halted.is_set()
+            self._lost_step = None if lost else (rank, world_size)
             raise
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:

@@ -648,7 +648,7 @@ def _out_of_step(
         "the ranks of a job launch in step (each launch after gpc.abort() or a failed launch pairs "
         "only with the other ranks' launches after theirs, so that no rank's relaunch meets "
         "another rank's attempt that is still to be aborted); this rank's next launch pairs with "
-        "rank 0's next one and takes its count, so a retry brings it back in step",
+        "whichever launch rank 0 is at then and takes its count, so a retry brings it back in step",
         (0,),
         where,
     )
