@@ -440,13 +440,33 @@ def _lead(
     generation: int | None = None,
 ) -> tuple[str, _Verdict]:
     """Rank 0's half of :func:`meet`: post a new prefix, read every answer, post the verdict;
-    post a new prefix (with a fresh deadline) whenever a rank abandons the one posted."""
+    post a new prefix (with a fresh deadline) whenever a rank abandons the one posted. When the
+    ranks do not all come in the end, the error names those that never answered any prefix
+    (a rank that answered one and gave up, at its own timeout, did arrive)."""
+    earlier: list[str] = []  # the prefixes abandoned
+
+    def posting(prefix: str) -> None:
+        earlier.append(prefix)
+        post(prefix)
+
     while True:
         try:
-            return _lead_once(store, arrival, world_size, seconds, where, deadline, post, generation)
+            return _lead_once(store, arrival, world_size, seconds, where, deadline, posting, generation)
         except _Abandoned as gone:
             logger.warning("parallelctx: %s; rank 0 posts a new launch prefix", gone)
             deadline = max(deadline, time.monotonic() + seconds)
+        except RendezvousError as exc:
+            came = {r for p in earlier[:-1] for r in range(1, world_size) if not _missing_one(store, p, r)}
+            never = [r for r in exc.ranks if r not in came]
+            if not came or not exc.ranks or not never or never == list(exc.ranks):
+                raise
+            gave_up = rank_list(sorted(came & set(exc.ranks)))
+            raise RendezvousError(
+                f"{_not_arrived(never, world_size, seconds, where)}; came, then abandoned the "
+                f"attempt (their own timeout, an error or gpc.abort()): {gave_up}",
+                never,
+                where,
+            ) from None
 
 
 class _Abandoned(RendezvousError):
@@ -652,6 +672,14 @@ def _out_of_step(
         (0,),
         where,
     )
+
+
+def _missing_one(store: Any, prefix: str, rank: int) -> bool:
+    """Whether ``rank`` left no answer under ``prefix`` (True when the store cannot tell)."""
+    try:
+        return not store.check([f"{prefix}answer/{rank}"])
+    except Exception:
+        return True
 
 
 def _missing(store: Any, world_size: int, posted: str, first: int = 0) -> list[int] | None:
