@@ -61,13 +61,6 @@ def test_abort_ends_a_wait_in_every_group_state(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(
-    reason="not fixed in every case yet: with launch generations, the launch bell and the commit before "
-    "gloo connects, 4-rank runs of 20 uncoordinated abort/relaunch cycles gave the serial sums in every "
-    "cycle for seed 1 (3 of 3 runs) but not for seeds 2, 7, 8 (4 of 80 rank-cycles timed out at "
-    "dist.timeout in some runs; issue 38)",
-    strict=False,
-)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_every_rank_aborted_mid_launch_at_different_times_then_relaunches(tmp_path: Path, seed: int) -> None:
     # 20 cycles per run: every rank aborts its own launch 0-0.4 s in (no coordination), then
