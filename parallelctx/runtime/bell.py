@@ -123,9 +123,9 @@ class Line:
         if not isinstance(base, dist.TCPStore):
             return
         # The clone's socket takes the lowest free descriptors (no scan of /proc/self/fd, which
-        # costs with many open files): look at the few from the lowest free one up.
-        # Only a socket that was not there before the clone is the clone's: the rank's own
-        # connection, or an earlier attempt's, may sit in the same few descriptors.
+        # costs with many open files): look at the few from the lowest free one up, and take
+        # only a socket that was not there before the clone (the rank's own connection to the
+        # store, or an earlier attempt's line, may sit among them).
         port = base.port
         probe = os.open(os.devnull, os.O_RDONLY)
         os.close(probe)
