@@ -199,18 +199,28 @@ class Meetings:
                 rank did not come in time, one refused, or the ranks disagree.
         """
         rank = arrival.rank
-        key = (url, rank, world_size)
         self.url = url
+        self.halted.clear()
+        try:
+            return self._meet(url, arrival, world_size, timeout, deadline)
+        except RendezvousError:
+            # Ran out of time (rank 0's store not up yet included) or was refused; not an abort
+            # of this rank's, which is no sign of being out of step (pairing with any would then
+            # pair with an attempt to be aborted)
+            lost = self.aborted.is_set() or self.halted.is_set()
+            self._lost_step = None if lost else (rank, world_size)
+            raise
+
+    def _meet(
+        self, url: str, arrival: Arrival, world_size: int, timeout: timedelta, deadline: float
+    ) -> tuple[Any, list[str]]:
+        rank = arrival.rank
+        key = (url, rank, world_size)
         base = self._stores.get(key)
         if base is None:
-            try:
-                base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
-            except RendezvousError:  # rank 0's store was not up yet: this launch met nobody
-                self._lost_step = None if self.aborted.is_set() else (rank, world_size)
-                raise
+            base = connect_store(url, rank, world_size, timeout, deadline, self.aborted)
             self._stores[key] = base
         base.set_timeout(timeout)
-        self.halted.clear()
         kv = self._kv = AbortableStore(base, self.aborted, self.halted)
 
         self._attempt = None
@@ -225,16 +235,9 @@ class Meetings:
             self._launches = theirs
             self._generation_of = ((theirs, rank, world_size), theirs)
 
-        try:
-            prefix, hosts = meet(
-                kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
-            )
-        except RendezvousError:
-            # Ran out of time or was refused; not an abort of this rank's, which is no sign of
-            # being out of step (pairing with any would then pair with an attempt to be aborted)
-            lost = self.aborted.is_set() or self.halted.is_set()
-            self._lost_step = None if lost else (rank, world_size)
-            raise
+        prefix, hosts = meet(
+            kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
+        )
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:
             line = Line(base)

@@ -456,7 +456,10 @@ def _lead(
             logger.warning("parallelctx: %s; rank 0 posts a new launch prefix", gone)
             deadline = max(deadline, time.monotonic() + seconds)
         except RendezvousError as exc:
-            came = {r for p in earlier[:-1] for r in range(1, world_size) if not _missing_one(store, p, r)}
+            came: set[int] = set()  # ranks that answered an abandoned prefix
+            for abandoned in earlier[:-1]:
+                missing = _missing(store, world_size, abandoned + "answer/", 1)
+                came |= set(range(1, world_size)) - set(missing if missing is not None else range(world_size))
             never = [r for r in exc.ranks if r not in came]
             if not came or not exc.ranks or not never or never == list(exc.ranks):
                 raise
@@ -672,14 +675,6 @@ def _out_of_step(
         (0,),
         where,
     )
-
-
-def _missing_one(store: Any, prefix: str, rank: int) -> bool:
-    """Whether ``rank`` left no answer under ``prefix`` (True when the store cannot tell)."""
-    try:
-        return not store.check([f"{prefix}answer/{rank}"])
-    except Exception:
-        return True
 
 
 def _missing(store: Any, world_size: int, posted: str, first: int = 0) -> list[int] | None:
