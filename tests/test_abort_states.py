@@ -77,7 +77,9 @@ def test_every_rank_aborted_mid_launch_at_different_times_then_relaunches(tmp_pa
         assert len(row["cycles"]) == 20
         for cycle in row["cycles"]:
             assert cycle["relaunch"] == [4.0 + 2.0 * (row["rank"] % 2), 10.0], (row["rank"], cycle)
-            assert cycle["relaunch_s"] < 5.0, (row["rank"], cycle)
+            # no wait ran out: a relaunch that waited for an abandoned peer would take dist.timeout
+            # (10 s); CI under load measured up to 5.2 s for one that did not
+            assert cycle["relaunch_s"] < 10.0, (row["rank"], cycle)
     told = proc.stderr.count("meets the other ranks again")
     slowest = max(c["relaunch_s"] for r in rows for c in r["cycles"])
     print(

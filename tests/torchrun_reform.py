@@ -205,9 +205,14 @@ def main() -> int:
                 losses.append(step(model, 1, die=me == victim))
                 print(f"rank {me} of {world}: step 1 did not fail", file=sys.stderr, flush=True)
             except RuntimeError as exc:
-                print(f"rank {me} of {world}: step 1 failed: {str(exc)[:80]}", file=sys.stderr, flush=True)
+                print(
+                    f"{time.time():.3f} rank {me} of {world}: step 1 failed: {str(exc).splitlines()[0][:240]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 gpc.abort()
                 reformed = gpc.reform(exclude=[victim])
+                print(f"{time.time():.3f} rank {me} of {world}: reformed", file=sys.stderr, flush=True)
                 model = TPMLP()
                 losses.append(step(model, 1))
                 record["rounds"].append(

@@ -138,7 +138,9 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
             an adopted torch.distributed group), or rank 0 leaves while its process serves the store.
         ValueError: this rank is in ``exclude``; the layout cannot shrink (LayoutError, naming
             what would).
-        ReformError: the ranks that stay do not agree, or one did not come within ``timeout``.
+        ReformError: the ranks that stay do not agree, or one did not come within ``timeout``
+            (default: twice the launch's ``dist.timeout``, since a rank the abort did not reach
+            comes only when its own collective times out).
     """
     config, layout, url = launched.config, launched.layout, meetings.url
     if (
@@ -164,12 +166,23 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
             f"launch's store ({url}); launch under torchrun (its agent serves the store) to lose rank 0's "
             "replica, or restart the job from its checkpoint"
         )
-    wait = to_timedelta(timeout) if timeout is not None else launched.timeout or DEFAULT_TIMEOUT
+    # A survivor that the abort never reached (gloo's send on a pair the peers' abort did not
+    # close) learns of the loss only when its own collective times out, dist.timeout after the
+    # others came; so by default the others wait twice that for it. The new launch keeps the
+    # launch's own timeout.
+    launch_wait = launched.timeout or DEFAULT_TIMEOUT
+    wait = to_timedelta(timeout) if timeout is not None else 2 * launch_wait
     agree_exclusion(meetings.plain(launched.store), rank, gone, shrunk.survivors, wait)
     smaller = config.to_dict()
     smaller["parallel"]["data"] = {"replicate": shrunk.replicate}
     new, size = shrunk.new_rank(rank), len(shrunk.survivors)
     if new is not None:  # the store this process reached, under its new rank (rank 0's server stays)
         meetings.carry(url, rank, launched.world_size, new, size)
-    args = dict(rank=new, world_size=size, init_method=url, local_rank=launched.local_rank, timeout=wait)
+    args = dict(
+        rank=new,
+        world_size=size,
+        init_method=url,
+        local_rank=launched.local_rank,
+        timeout=to_timedelta(timeout) if timeout is not None else launch_wait,
+    )
     return ReformPlan(Reformed(rank, new, shrunk.leaving, size), smaller, args)
