@@ -152,3 +152,15 @@ def test_ten_kills_in_a_row_each_reformed_leave_no_thread_or_group_behind(tmp_pa
     for i in range(rounds):  # every rank saw the same losses in each round
         assert len({tuple(row["rounds"][i]["losses"]) for row in got.values()}) == 1, i
     print(f"{rounds} kills in a row from {world} ranks: worlds {[r['world_size'] for r in got[0]['rounds']]}")
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_that_comes_after_dist_timeout_is_still_taken_in(tmp_path: Path) -> None:
+    # dist.timeout 3 s; rank 2 comes to reform 4.5 s after the others (as a rank whose collective
+    # the abort did not reach comes when that collective times out): the default wait, twice
+    # dist.timeout, takes it in, and the three survivors all-reduce on the new world
+    proc = run_torchrun(4, ["tests/torchrun_reform_late.py", str(tmp_path)], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(3)]
+    assert [(r["old"], r["new"], r["world"], r["sum"]) for r in rows] == [(r, r, 3, 3.0) for r in range(3)]
+    assert min(r["waited_s"] for r in (rows[0], rows[1])) > 3.0  # they waited past dist.timeout
