@@ -29,6 +29,7 @@ from .runtime.mesh import MeshError
 
 if TYPE_CHECKING:
     from .checkpoint import checkpoint, rng_context_fn
+    from .clip import clip_grad_norm_, grad_norm
     from .context import ModeView, NotLaunchedError, ParallelContext, RNGState, gpc
     from .guard.hang import HangReport
     from .launch import (
@@ -48,6 +49,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "checkpoint": "checkpoint",
     "rng_context_fn": "checkpoint",
+    "clip_grad_norm_": "clip",
+    "grad_norm": "clip",
     "HangReport": "guard.hang",
     "ModeView": "context",
     "NotLaunchedError": "context",
@@ -167,7 +170,9 @@ __all__ = [
     "Reformed",
     "SpawnError",
     "checkpoint",
+    "clip_grad_norm_",
     "gpc",
+    "grad_norm",
     "init_dist",
     "launch",
     "launch_from_env",
