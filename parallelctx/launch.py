@@ -18,6 +18,7 @@ from . import env as _env
 from .config import ConfigError, ConfigLike, to_timedelta
 from .config.args import LaunchArgumentError
 from .context import ParallelContext, gpc
+from .engines import guard_engines
 from .env import LaunchEnvError, free_port
 from .planning.layout import LayoutError
 from .runtime.rendezvous import RendezvousError
@@ -94,20 +95,29 @@ def launch(
         ValueError: a bad config value (ConfigError, LayoutError and pydantic's ValidationError
             are ValueErrors).
     """
-    return gpc.launch(
-        config,
-        rank=rank,
-        world_size=world_size,
-        host=host,
-        port=port,
-        backend=backend,
-        local_rank=local_rank,
-        seed=seed,
-        timeout=timeout,
-        init_method=init_method,
-        local_world_size=local_world_size,
-        simulate=simulate,
+    return _guarded(
+        gpc.launch(
+            config,
+            rank=rank,
+            world_size=world_size,
+            host=host,
+            port=port,
+            backend=backend,
+            local_rank=local_rank,
+            seed=seed,
+            timeout=timeout,
+            init_method=init_method,
+            local_world_size=local_world_size,
+            simulate=simulate,
+        )
     )
+
+
+def _guarded(ctx: ParallelContext) -> ParallelContext:
+    """Guard the engines imported now for ``ctx`` (:func:`parallelctx.engines.guard_engines`);
+    returns ``ctx``."""
+    guard_engines(ctx)
+    return ctx
 
 
 def _launch_found(
@@ -144,6 +154,7 @@ def _launch_found(
         local_world_size=found.local_world_size,
         **kwargs,
     )
+    _guarded(ctx)
     if found.num_nodes is not None and found.num_nodes != ctx.num_nodes:
         logger.warning(
             "%s says the job spans %d nodes, but its ranks run on %d distinct hosts (%s); "
@@ -168,7 +179,7 @@ def _launch_named(
     """Launch from the variables of the launcher ``name`` of :data:`parallelctx.env.LAUNCHERS`
     (under ``parallelctx dry-run``: the armed dry run, which needs no launcher variables)."""
     if _dry_run_armed():
-        return gpc.launch(config, backend=backend, seed=seed, timeout=timeout)
+        return _guarded(gpc.launch(config, backend=backend, seed=seed, timeout=timeout))
     entry = _env.launcher_named(name)
     found = entry.detect(None, True)
     if found is None:  # a detector called with required=True raises first; kept for type checkers
@@ -273,7 +284,7 @@ def launch_from_env(
         Anything :func:`launch` raises.
     """
     if _dry_run_armed():
-        return gpc.launch(config, backend=backend, seed=seed, timeout=timeout)
+        return _guarded(gpc.launch(config, backend=backend, seed=seed, timeout=timeout))
     return _launch_found(_env.detect(), config, host, port, backend=backend, seed=seed, timeout=timeout)
 
 

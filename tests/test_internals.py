@@ -27,6 +27,8 @@ LAYERS: list[tuple[str, str, int]] = [
     ("launch", "bridges", 5),
     ("spawn", "bridges", 5),
     ("checkpoint", "bridges", 5),
+    ("clip", "bridges", 5),
+    ("engines", "bridges", 5),
     ("dryrun", "bridges", 5),
     ("pipelining", "bridges", 5),
     ("deepspeed", "bridges", 5),
@@ -223,13 +225,24 @@ def test_the_top_level_holds_the_face_the_facade_and_the_entry_points() -> None:
         "launch",
         "spawn",
         "checkpoint",
+        "clip",
         "dryrun",
         "pipelining",
         "deepspeed",
         "torchtitan",
     }
     packages = {p.parent.name for p in PKG.glob("*/__init__.py")}
-    assert packages == {"planning", "config", "env", "guard", "runtime", "megatron", "cli", "testing"}
+    assert packages == {
+        "planning",
+        "config",
+        "env",
+        "guard",
+        "runtime",
+        "megatron",
+        "engines",
+        "cli",
+        "testing",
+    }
     cli = {p.stem for p in (PKG / "cli").glob("*.py")}
     assert {
         "main",
