@@ -2,7 +2,8 @@
 (``Accelerator(cpu=True)``), gpc adopts it with tensor=2 (so data=2), and the tensor-parallel MLP
 trains with Accelerate's optimizer wrapper and ``accelerator.backward``; the model is wrapped in
 DDP over gpc's data group by the user, because ``accelerator.prepare(model)`` would wrap it in DDP
-over every process and average the two tensor shards together. Each rank writes what it saw.
+over every process (parallelctx refuses it: tests/engine_guarded_train.py). Each rank writes what
+it saw.
 
 Usage: torchrun --standalone --nproc-per-node 4 tests/engine_accelerate_train.py OUT_DIR
 """
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
-from engine_models import TPMLP, batches, check_equals_serial, full_weights, my_share, shard
+from engine_models import TPMLP, batches, check_equals_serial, my_share
 from torch.nn.parallel import DistributedDataParallel
 
 import parallelctx
@@ -47,12 +48,7 @@ def main() -> None:
         "worst": worst,
         "adopted": adopted,
     }
-    # what cannot work: the engine's own model wrapper is DDP over every process, whose first
-    # broadcast gives tensor rank 1 the shard of global rank 0
-    wrapped = accelerator.prepare(TPMLP())
-    first = shard(full_weights(), 0, 2)["w1"]
-    record["engine_wrapper_copied_rank_0s_shard"] = torch.equal(wrapped.module.w1.detach(), first)
-    del model, wrapped
+    del model
     gpc.destroy()
     t = torch.ones(1)
     dist.all_reduce(t)  # Accelerate's group is still there: gpc did not make it, so it keeps it

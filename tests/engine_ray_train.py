@@ -51,7 +51,38 @@ def train_func(config: dict[str, Any]) -> None:
         "env": env,
         "gpc_local": [gpc.local_rank, gpc.num_processes_on_current_node, gpc.num_nodes],
     }
-    del model
+    # Ray's own wrappers: prepare_model gets gpc's data group (the same run, equal to serial);
+    # prepare_data_loader's sampler over every worker is refused
+    import ray.train.torch
+
+    from parallelctx.engines import EngineMisuseError
+
+    ray_model = ray.train.torch.prepare_model(TPMLP(), move_to_device=False)
+    ray_opt = torch.optim.SGD(ray_model.parameters(), lr=0.1)
+    for batch in batches(gpc.data.size):
+        x, y = my_share(batch, gpc.data.rank)
+        ray_opt.zero_grad()
+        F.mse_loss(ray_model(x), y).backward()
+        ray_opt.step()
+    record["prepare_model_ddp_ranks"] = dist.get_process_group_ranks(ray_model.process_group)
+    record["prepare_model_worst"] = check_equals_serial(
+        {n: p.detach() for n, p in ray_model.module.named_parameters()}
+    )
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    try:
+        ray.train.torch.prepare_data_loader(loader)
+        record["prepare_data_loader"] = ""
+    except EngineMisuseError as exc:
+        record["prepare_data_loader"] = str(exc)
+    # the recipe's own sampler (gpc's data rank) passes and is kept
+    from torch.utils.data import DistributedSampler
+
+    mine = DistributedSampler(list(range(8)), num_replicas=gpc.data.size, rank=gpc.data.rank, shuffle=False)
+    kept = ray.train.torch.prepare_data_loader(
+        torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=mine), move_to_device=False
+    )
+    record["own_sampler_rows"] = [int(v) for b in kept for v in b]
+    del model, ray_model
     gpc.destroy()
     # Ray's group is still there and works: gpc made it not, so gpc does not destroy it
     t = torch.ones(1)

@@ -49,12 +49,3 @@ def test_gpc_adopts_the_engines_group_and_leaves_it(engine: tuple[str, list[dict
     for rank, rec in enumerate(records):
         assert rec["adopted"] and rec[ENGINES[name][1]] == rank
         assert rec["after_destroy"] == {"initialized": True, "world_sum": 4.0}
-
-
-def test_the_engines_own_model_wrapper_cannot_hold_tensor_shards(
-    engine: tuple[str, list[dict[str, Any]]],
-) -> None:
-    # accelerator.prepare / fabric.setup_module wrap in DDP over all 4 processes: the first
-    # broadcast overwrites tensor rank 1's shard with rank 0's (docs/engines.md says why the tests
-    # wrap DDP over gpc's data group themselves)
-    assert [rec["engine_wrapper_copied_rank_0s_shard"] for rec in engine[1]] == [True] * 4

@@ -74,3 +74,17 @@ def test_destroy_leaves_rays_group_and_shutdown_is_clean(
         assert rec["after_destroy"] == {"initialized": True, "world_sum": 4.0}
     assert driver["ray_initialized_after_shutdown"] is False
     assert driver["children_left"] == []
+
+
+def test_rays_prepare_model_gets_gpcs_data_group_and_its_loader_sampler_is_refused(
+    run: tuple[list[dict[str, Any]], dict[str, Any]],
+) -> None:
+    # ray.train.torch.prepare_model would wrap DDP over all 4 workers (tensor rank 1 would get
+    # rank 0's shard); parallelctx gives it gpc's data group, and the run equals serial
+    for rank, rec in enumerate(run[0]):
+        assert rec["prepare_model_ddp_ranks"] == [rank % 2, rank % 2 + 2]
+        assert rec["prepare_model_worst"] <= 1e-6
+        assert "prepare_data_loader() under gpc's tensor=2" in rec["prepare_data_loader"]
+        assert "add_dist_sampler=False" in rec["prepare_data_loader"]
+        # a DistributedSampler of the user's own, over gpc's data group, is kept: rows of data rank d
+        assert rec["own_sampler_rows"] == list(range(8))[rec["data"][0] :: 2]
