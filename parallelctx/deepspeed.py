@@ -39,20 +39,33 @@ not built under ``zero.Init`` at all) raises :class:`ZeroPartitionError` out of
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .planning.layout import ParallelMode
+from .planning.layout import Layout, ParallelMode
 
 if TYPE_CHECKING:
+    from deepspeed.runtime.pipe.topology import ProcessTopology
     from deepspeed.runtime.zero.partition_parameters import Init
 
-__all__ = ["DeepSpeedMPU", "ZeroPartitionError", "check_zero_partitions", "mpu", "zero_init"]
+__all__ = [
+    "DeepSpeedMPU",
+    "PipeTopologyError",
+    "ZeroPartitionError",
+    "check_pipe_topology",
+    "check_zero_partitions",
+    "mpu",
+    "pipe_axes",
+    "pipe_topology",
+    "zero_init",
+]
 
 M = ParallelMode
 
@@ -67,6 +80,11 @@ _SET_BY_ZERO_INIT = frozenset(
     {"data_parallel_group", "sequence_data_parallel_group", "config_dict_or_path", "mpu"}
 )
 """The ``deepspeed.zero.Init`` arguments :func:`zero_init` sets itself."""
+
+
+class PipeTopologyError(ValueError):
+    """DeepSpeed's ``PipelineModule`` would place the ranks on other pipeline, data or tensor
+    coordinates than gpc's layout (or gpc's layout has an axis DeepSpeed's pipeline has not)."""
 
 
 class ZeroPartitionError(ValueError):
@@ -384,3 +402,124 @@ def zero_init(
             f"(DeepSpeed {deepspeed.__version__}; parallelctx.deepspeed is tested with 0.19.8)"
         )
     return init
+
+
+# ---------------------------------------------------------------------- PipelineModule topology
+_PIPE_MODES = {"pipe": M.PIPELINE, "data": M.DATA, "model": M.TENSOR}
+"""DeepSpeed's pipeline topology axes, and the gpc mode whose local rank each one is."""
+
+PIPE_FIX = "PipelineModule(..., topology=parallelctx.deepspeed.pipe_topology())"
+"""The recipe every PipelineModule refusal names (docs/engines.md#deepspeed)."""
+
+
+def _coords(layout: Layout) -> dict[str, np.ndarray]:
+    """Every rank's local rank in gpc's pipeline, data and tensor groups, by DeepSpeed axis."""
+    out = {}
+    for axis, mode in _PIPE_MODES.items():
+        groups = layout.group_array(mode)
+        coord = np.empty(layout.world_size, dtype=np.int64)
+        coord[groups] = np.arange(groups.shape[1])  # members are listed in ascending rank
+        out[axis] = coord
+    return out
+
+
+def pipe_axes(layout: Layout) -> tuple[list[str], list[int]]:
+    """The axes (slowest first) and sizes of the DeepSpeed ``ProcessTopology`` that puts every
+    rank of ``layout`` at gpc's pipeline, data and tensor ranks: ``pipe``, ``data``, ``model``
+    in the reverse of gpc's order string (``order="tp-pp-dp"`` gives ``["data", "pipe",
+    "model"]``). Torch-free rank algebra; checked on every rank, not assumed from the string.
+
+    Returns:
+        ``(axes, dims)`` for ``ProcessTopology(axes=axes, dims=dims)``.
+
+    Raises:
+        PipeTopologyError: context > 1 or gtp_remat > 1 (DeepSpeed's pipeline has no such axis,
+            its data-parallel reduce would leave those ranks out), or no order of DeepSpeed's
+            three axes gives gpc's ranks (a data axis split by another, e.g. HSDP's replicate
+            placed apart from its shard); named with the fix.
+    """
+    extra = {"context": layout.context, "gtp_remat": layout.gtp_remat}
+    extra = {k: v for k, v in extra.items() if v > 1}
+    if extra:
+        sizes = ", ".join(f"{k}={v}" for k, v in extra.items())
+        raise PipeTopologyError(
+            f"DeepSpeed's PipelineModule has axes pipe, data and model only; gpc's {sizes} has no place "
+            "in it (its gradients would not be reduced over those ranks): run DeepSpeed's pipeline with "
+            "context=1 and gtp_remat=1, or use torch.distributed.pipelining on gpc's groups "
+            "(docs/engines.md#torchdistributedpipelining)"
+        )
+    want = _coords(layout)
+    dims = {axis: layout.size(mode) for axis, mode in _PIPE_MODES.items()}
+    ranks = np.arange(layout.world_size)
+    for axes in itertools.permutations(_PIPE_MODES):
+        shape = [dims[a] for a in axes]
+        got = np.unravel_index(ranks, shape)
+        if all(np.array_equal(got[i], want[a]) for i, a in enumerate(axes)):
+            return list(axes), shape
+    raise PipeTopologyError(
+        f"no order of DeepSpeed's pipe, data and model axes places the ranks as gpc's layout "
+        f"({layout.describe()}) does: its data axis is not one stride (HSDP's replicate apart from its "
+        "shard in the order string); give parallel.order the data axis in one piece"
+    )
+
+
+def pipe_topology(ctx: Any = None) -> ProcessTopology:
+    """DeepSpeed's ``ProcessTopology`` for gpc's layout (:func:`pipe_axes`): pass it as
+    ``PipelineModule(..., topology=...)`` so that DeepSpeed's stages, data-parallel groups and
+    tensor slices are gpc's pipeline, data and tensor groups, whatever gpc's order.
+
+    Returns:
+        ``deepspeed.runtime.pipe.topology.ProcessTopology``.
+
+    Raises:
+        NotLaunchedError: the context is not launched.
+        PipeTopologyError: from :func:`pipe_axes`.
+        ImportError: DeepSpeed is not installed (the ``deepspeed`` extra).
+    """
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    ctx = _context(ctx)
+    ctx.get_global_rank()
+    axes, dims = pipe_axes(ctx.launched.layout)
+    return ProcessTopology(axes=axes, dims=dims)
+
+
+def check_pipe_topology(topology: Any, num_stages: int | None, ctx: Any = None) -> None:
+    """Check that a ``PipelineModule`` built with ``topology`` (or, when it is None, DeepSpeed's
+    default for ``num_stages``: stages outermost, data innermost, no model axis) places every
+    rank at gpc's pipeline, data and tensor ranks. parallelctx runs it when a PipelineModule is
+    built after gpc launched (:mod:`parallelctx.engines.guard`); before launch or on one rank it
+    checks nothing.
+
+    Raises:
+        PipeTopologyError: a rank whose stage, data-parallel rank or tensor slice differs from
+            gpc's (named with both), a size that differs, or a layout :func:`pipe_axes` refuses.
+    """
+    ctx = _context(ctx)
+    if not ctx.is_initialized(M.GLOBAL) or ctx.get_world_size(M.GLOBAL) <= 1:
+        return
+    layout = ctx.launched.layout
+    pipe_axes(layout)  # refuses what DeepSpeed's pipeline cannot hold
+    world = layout.world_size
+    if topology is None:
+        if num_stages is None or num_stages <= 0 or world % num_stages:
+            return  # DeepSpeed refuses it itself
+        axes, dims = ["pipe", "data"], [num_stages, world // num_stages]
+        given = f"DeepSpeed's default for num_stages={num_stages} (axes {axes}, dims {dims})"
+    else:
+        axes, dims = list(topology.get_axis_names()), [topology.get_dim(a) for a in topology.get_axis_names()]
+        given = f"the topology given (axes {axes}, dims {dims})"
+    if int(np.prod(dims)) != world:
+        return  # DeepSpeed's grid refuses a topology of another world size itself
+    want = _coords(layout)
+    got = np.unravel_index(np.arange(world), dims)
+    for axis, mode in _PIPE_MODES.items():
+        have = got[axes.index(axis)] if axis in axes else np.zeros(world, dtype=np.int64)
+        bad = np.flatnonzero(have != want[axis])
+        if bad.size:
+            r = int(bad[0])
+            raise PipeTopologyError(
+                f"PipelineModule: {given} puts rank {r} at {axis} rank {int(have[r])}, but gpc's layout "
+                f"({layout.describe()}) has it at {mode.value} rank {int(want[axis][r])}: stages, data-parallel "
+                f"reduces or tensor slices would pair the wrong ranks; build it with `{PIPE_FIX}`"
+            )

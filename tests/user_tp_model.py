@@ -87,16 +87,20 @@ def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]  # fmt: skip
 
 
-def serial(replicas: int, norm_type: float = 2.0, momentum: float = 0.0) -> tuple[MLP, list[float]]:
-    """The whole model trained on the whole batch in this process, clipped at ``MAX_NORM`` by
-    torch: (the model after ``STEPS`` steps, each step's norm before clipping)."""
+def serial(
+    replicas: int, norm_type: float = 2.0, momentum: float = 0.0, max_norm: float | None = MAX_NORM
+) -> tuple[MLP, list[float]]:
+    """The whole model trained on the whole batch in this process, clipped at ``max_norm`` by
+    torch (None: not clipped): (the model after ``STEPS`` steps, each step's norm before
+    clipping)."""
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     norms = []
     for x, y in batches(replicas):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, norm_type)))
+        if max_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)))
         opt.step()
     return model, norms
 

@@ -107,6 +107,8 @@ class EngineGuard:
                 self._fabric(ctx, sys.modules[name])
         if "ray.train.torch" in sys.modules or "ray.train.torch.train_loop_utils" in sys.modules:
             self._ray(ctx)
+        if "deepspeed.runtime.pipe.module" in sys.modules:
+            self._deepspeed(ctx)
 
     def restore(self) -> None:
         """Put every replaced method back; returns None."""
@@ -276,6 +278,31 @@ class EngineGuard:
         rank0 = "Fabric's DDP strategy writes rank 0's file only and every rank loads it, so the other shards are lost"
         for name in ("save", "load"):
             self._refuse(fabric, name, model_parallel, ctx, rank0, SAVE_RECIPE)
+
+    # ------------------------------------------------------------------ DeepSpeed
+    def _deepspeed(self, ctx: Any) -> None:
+        """DeepSpeed's ``PipelineModule`` builds its own topology (and refuses ``mpu=``): one that
+        places the ranks elsewhere than gpc's layout is refused when it is built
+        (:func:`parallelctx.deepspeed.check_pipe_topology`)."""
+        from deepspeed.runtime.pipe.module import PipelineModule
+
+        from ..deepspeed import check_pipe_topology
+
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            def __init__(
+                self: Any,
+                layers: Any,
+                num_stages: Any = None,
+                topology: Any = None,
+                *args: Any,
+                **kwargs: Any,
+            ) -> None:
+                check_pipe_topology(topology, num_stages, ctx)
+                original(self, layers, num_stages, topology, *args, **kwargs)
+
+            return __init__
+
+        self._wrap(PipelineModule, "__init__", make)
 
     # ------------------------------------------------------------------ Ray Train
     def _ray(self, ctx: Any) -> None:
