@@ -31,7 +31,7 @@ import torch.distributed as dist
 from .context import gpc
 from .planning.layout import ParallelMode
 
-__all__ = ["clip_grad_norm_", "grad_norm"]
+__all__ = ["check_marks", "clip_grad_norm_", "grad_norm"]
 
 M = ParallelMode
 
@@ -58,11 +58,19 @@ def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) ->
     return norm if norm_type == float("inf") else norm**norm_type
 
 
-def _check_replicas(params: list[torch.Tensor], within: ParallelMode) -> None:
-    """Raise ValueError naming the first parameter without the ``tensor_model_parallel`` mark
-    whose values differ across the ``within`` group (one all-reduce of two sums per parameter):
-    a shard without the mark (counted once, so the norm comes out too small), or replicas that
-    drifted apart. Every rank raises the same error."""
+def check_marks(
+    params: list[torch.Tensor], within: ParallelMode = M.TENSOR, names: list[str] | None = None
+) -> None:
+    """Check that every parameter of ``params`` without the ``tensor_model_parallel`` mark is
+    equal across this rank's ``within`` group (one all-reduce of two sums per parameter; every
+    rank of the group must call it with the same number of parameters). Returns None.
+
+    Raises:
+        ValueError: the first unmarked parameter whose values differ across the group, named (by
+            ``names[i]`` when given, else its index) with its shape and the fix: a shard without
+            the mark (counted once in a gradient norm, so the norm comes out too small), or
+            replicas that drifted apart. Every rank raises the same error.
+    """
     if gpc.get_world_size(within) <= 1:
         return
     plain = [(i, p) for i, p in enumerate(params) if not getattr(p, "tensor_model_parallel", False)]
@@ -77,8 +85,9 @@ def _check_replicas(params: list[torch.Tensor], within: ParallelMode) -> None:
     differ = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-12
     for (i, p), bad in zip(plain, differ.any(dim=1).tolist(), strict=True):
         if bad:
+            what = f"parameter {names[i]!r}" if names is not None else f"parameter {i} of those given"
             raise ValueError(
-                f"parameter {i} of those given (shape {list(p.shape)}) has no tensor_model_parallel mark, so "
+                f"{what} (shape {list(p.shape)}) has no tensor_model_parallel mark, so "
                 f"it counts as a replica over the {within.value} group (ranks "
                 f"{gpc.get_ranks_in_group(within)}), but its values differ across those ranks: if it is "
                 "a shard, mark it (p.tensor_model_parallel = True; Megatron's parallel layers do) or the "
@@ -119,8 +128,8 @@ def grad_norm(
     }
     with_grads = _grads(parameters)
     if check_replicas:
-        _check_replicas([p for p in with_grads if getattr(p, "allreduce", True) is not False], M.TENSOR)
-        _check_replicas([p for p in with_grads if getattr(p, "allreduce", True) is False], M.EXPERT_TENSOR)
+        check_marks([p for p in with_grads if getattr(p, "allreduce", True) is not False], M.TENSOR)
+        check_marks([p for p in with_grads if getattr(p, "allreduce", True) is False], M.EXPERT_TENSOR)
     for p in with_grads:
         key = (
             (M.EXPERT_MODEL, M.EXPERT_TENSOR)

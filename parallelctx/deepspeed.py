@@ -40,8 +40,10 @@ from __future__ import annotations
 
 import copy
 import itertools
+import logging
 import os
 import sys
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +62,7 @@ __all__ = [
     "PipeTopologyError",
     "ZeroPartitionError",
     "check_pipe_topology",
+    "check_shard_marks",
     "check_zero_partitions",
     "mpu",
     "pipe_axes",
@@ -68,6 +71,7 @@ __all__ = [
 ]
 
 M = ParallelMode
+logger = logging.getLogger(__name__)
 
 FIX = "with parallelctx.deepspeed.zero_init(config): model = ..."
 """The recipe every ZeRO-3 refusal names (docs/engines.md#deepspeed)."""
@@ -100,6 +104,7 @@ class DeepSpeedMPU:
 
     def __init__(self, ctx: Any) -> None:
         self._ctx = ctx
+        self._checked: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose model was checked
 
     def __repr__(self) -> str:
         # never raises: a log line, a debugger or a traceback's locals may print the object
@@ -191,17 +196,22 @@ class DeepSpeedMPU:
     def get_sequence_data_parallel_group(self) -> Any:
         """The data × context process group (where ZeRO partitions).
 
-        Asked by DeepSpeed's engine while it is being built, it first checks the engine's model
-        with :func:`check_zero_partitions` under ZeRO-3.
+        Asked by DeepSpeed's engine while it is being built, it first checks the engine's model:
+        with :func:`check_zero_partitions` under ZeRO-3, and with :func:`check_shard_marks`.
 
         Raises:
             ZeroPartitionError: ZeRO-3 and a parameter of the engine's model is partitioned over
                 another group, or (context > 1) was not built under ``zero.Init``.
+            ValueError: ``gradient_clipping`` is on and an unmarked parameter differs across the
+                tensor group (:func:`check_shard_marks`).
         """
         group = self._ctx.get_group(M.DATA_CONTEXT)
         engine = _engine_being_built()
-        if engine is not None and engine.zero_optimization_stage() == 3:
-            check_zero_partitions(engine.module, self._ctx)
+        if engine is not None and engine not in self._checked:  # DeepSpeed asks several times
+            self._checked.add(engine)
+            if engine.zero_optimization_stage() == 3:
+                check_zero_partitions(engine.module, self._ctx)
+            check_shard_marks(engine.module, float(engine.gradient_clipping() or 0.0), self._ctx)
         return group
 
 
@@ -305,6 +315,42 @@ def check_zero_partitions(model: torch.nn.Module, ctx: Any = None) -> None:
                 f"{_ranks_text(want)}, so its gradient would be reduced over the wrong ranks; build "
                 f"the model under `{FIX}`, which partitions over gpc's data × context group"
             )
+
+
+def check_shard_marks(model: torch.nn.Module, clipping: float, ctx: Any = None) -> None:
+    """Check that every parameter of ``model`` that differs across gpc's tensor group carries
+    Megatron's mark (``param.tensor_model_parallel = True``): DeepSpeed's gradient norm counts an
+    unmarked parameter once, as a replica, so an unmarked shard makes the norm too small and
+    every clipped step too large. DeepSpeed's engine runs it while it is built with
+    ``mpu=parallelctx.deepspeed.mpu()`` (one small all-reduce over the tensor group); ZeRO-3's
+    partitioned parameters and DeepSpeed-MoE's experts (``allreduce = False``) are left out.
+    Returns None.
+
+    Args:
+        model: the engine's model.
+        clipping: DeepSpeed's ``gradient_clipping``; 0 (off): a shard without the mark is only
+            warned about (nothing reads the norm), else refused.
+
+    Raises:
+        ValueError: ``clipping`` > 0 and an unmarked parameter differs across the tensor group
+            (named, with the fix; on every rank).
+    """
+    from .clip import check_marks
+
+    ctx = _context(ctx)
+    if ctx.get_world_size(M.TENSOR) <= 1:
+        return
+    named = [
+        (n, p)
+        for n, p in model.named_parameters()
+        if not hasattr(p, "ds_id") and getattr(p, "allreduce", True) is not False
+    ]
+    try:
+        check_marks([p for _, p in named], M.TENSOR, [n for n, _ in named])
+    except ValueError as exc:
+        if clipping > 0:
+            raise ValueError(f"deepspeed.initialize with gradient_clipping={clipping:g}: {exc}") from None
+        logger.warning("parallelctx: %s (gradient_clipping is off, so nothing reads that norm yet)", exc)
 
 
 def zero_init(

@@ -164,6 +164,7 @@ def main() -> None:
     parallelctx.launch_from_torch(dict(parallel=dict(tensor=2), dist=dict(timeout=300)))
     records = [train(stage, out) for stage in (1, 2, 3)]
     accepted = accepts_a_plain_build()  # context 1: DeepSpeed partitions it over DATA = DATA_CONTEXT
+    marks = unmarked_shard()
     # clipping: DeepSpeed sums the gradient norm over gpc's data and model-parallel groups
     records.append(train(2, out, clip=CLIP))
     # checkpoint names follow gpc's model-parallel rank (tensor × pipeline): 4 model shards here
@@ -179,7 +180,12 @@ def main() -> None:
     )
     records += [train(2, out), train(3, out, fp16=False), train(3, out, fp16=True)]
     Path(out, f"rank-{gpc.get_global_rank()}.json").write_text(json.dumps(records))
-    checks = {"accepted_context_1": accepted, "dtypes": zero_init_dtypes(), "refused": refusals()}
+    checks = {
+        "accepted_context_1": accepted,
+        "dtypes": zero_init_dtypes(),
+        "refused": refusals(),
+        "marks": marks,
+    }
     checks["unchecked"] = train(3, out, checked=False)
     Path(out, f"rank-{gpc.get_global_rank()}-zero3.json").write_text(json.dumps(checks))
     gpc.destroy()
@@ -223,6 +229,34 @@ def accepts_a_plain_build() -> bool:
     )
     engine.destroy()
     return True
+
+
+def unmarked_shard() -> dict[str, str]:
+    """What ``deepspeed.initialize(..., mpu=...)`` (ZeRO-2, tensor=2) says to the MLP with w1's
+    ``tensor_model_parallel`` mark taken off: with clipping (its norm would count w1 once), and
+    without (the warning logged)."""
+    import logging.handlers
+
+    said = {}
+    for key, clip in (("clipped", CLIP), ("unclipped", 0.0)):
+        model = TPMLP()
+        model.w1.tensor_model_parallel = False
+        handler = logging.handlers.BufferingHandler(100)
+        logging.getLogger("parallelctx.deepspeed").addHandler(handler)
+        try:
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                config=ds_config(2, clip=clip),
+                mpu=parallelctx.deepspeed.mpu(),
+            )
+            engine.destroy()
+            said[key] = "accepted; logged: " + " | ".join(r.getMessage() for r in handler.buffer)
+        except ValueError as exc:
+            said[key] = str(exc)
+        finally:
+            logging.getLogger("parallelctx.deepspeed").removeHandler(handler)
+    return said
 
 
 def refusals() -> dict[str, str]:

@@ -180,3 +180,17 @@ def test_zero_3_refuses_parameters_partitioned_over_another_group(zero3: list[di
         )
         assert f"not over gpc's data × context group {want}" in said, said
         assert "`with parallelctx.deepspeed.zero_init(config): model = ...`" in said
+
+
+def test_a_shard_without_megatrons_mark_is_refused_when_clipping_and_warned_otherwise(
+    zero3: list[dict[str, Any]],
+) -> None:
+    # DeepSpeed's norm counts an unmarked parameter once, as a replica: w1 (a shard) without its
+    # mark would make every clipped step too large
+    for checks in zero3:
+        clipped, unclipped = checks["marks"]["clipped"], checks["marks"]["unclipped"]
+        assert clipped.startswith("deepspeed.initialize with gradient_clipping=0.05: parameter 'w1'"), clipped
+        assert "no tensor_model_parallel mark" in clipped and "p.tensor_model_parallel = True" in clipped
+        assert unclipped.startswith("accepted; logged: parallelctx: parameter 'w1'"), unclipped
+        assert unclipped.count("parameter 'w1'") == 1  # once per engine, though DeepSpeed asks 5 times
+        assert "gradient_clipping is off" in unclipped
