@@ -36,7 +36,8 @@ __all__ = ["check_marks", "clip_grad_norm_", "grad_norm"]
 M = ParallelMode
 
 
-def _grads(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+def _params(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` as a list, checked: tensors, not DTensors (TypeError naming the fix)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     for p in params:
         if not isinstance(p, torch.Tensor):
@@ -47,7 +48,7 @@ def _grads(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tens
                 "parameter carries its own mesh: clip DTensor models with torch.nn.utils.clip_grad_norm_, "
                 "which reduces over the DTensor's mesh"
             )
-    return [p for p in params if p.grad is not None]
+    return params
 
 
 def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
@@ -58,16 +59,25 @@ def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) ->
     return norm if norm_type == float("inf") else norm**norm_type
 
 
+def _fingerprint(p: torch.Tensor) -> torch.Tensor:
+    """Sum, sum of squares and a position-weighted sum of ``p``, float64."""
+    flat = p.detach().double().flatten()
+    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
+    return torch.stack([flat.sum(), flat.square().sum(), (flat * weights).sum()])
+
+
 def check_marks(
     params: list[torch.Tensor], within: ParallelMode = M.TENSOR, names: list[str] | None = None
 ) -> None:
     """Check that every parameter of ``params`` without the ``tensor_model_parallel`` mark is
-    equal across this rank's ``within`` group (one all-reduce of two sums per parameter; every
-    rank of the group must call it with the same number of parameters). Returns None.
+    equal across this rank's ``within`` group (one all-reduce of three sums per parameter; every
+    rank of the group must call it with the same number of parameters). The fingerprint of a
+    parameter is its sum, its sum of squares and a position-weighted sum, so a shard whose values
+    are the other ranks' in another order is told apart too. Returns None.
 
     Raises:
         ValueError: the first unmarked parameter whose values differ across the group, named (by
-            ``names[i]`` when given, else its index) with its shape and the fix: a shard without
+            ``names[i]`` when given, else its index in ``params``) with its shape and the fix: a shard without
             the mark (counted once in a gradient norm, so the norm comes out too small), or
             replicas that drifted apart. Every rank raises the same error.
     """
@@ -76,16 +86,14 @@ def check_marks(
     plain = [(i, p) for i, p in enumerate(params) if not getattr(p, "tensor_model_parallel", False)]
     if not plain:
         return
-    sums = torch.stack(
-        [torch.stack([p.detach().double().sum(), p.detach().double().square().sum()]) for _, p in plain]
-    ).to(gpc.device)
+    sums = torch.stack([_fingerprint(p) for _, p in plain]).to(gpc.device)
     both = torch.cat([sums, -sums])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=gpc.get_group(within))
     high, low = both[: len(plain)], -both[len(plain) :]
     differ = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-12
     for (i, p), bad in zip(plain, differ.any(dim=1).tolist(), strict=True):
         if bad:
-            what = f"parameter {names[i]!r}" if names is not None else f"parameter {i} of those given"
+            what = f"parameter {names[i]}" if names is not None else f"parameter {i} of those given"
             raise ValueError(
                 f"{what} (shape {list(p.shape)}) has no tensor_model_parallel mark, so "
                 f"it counts as a replica over the {within.value} group (ranks "
@@ -126,10 +134,12 @@ def grad_norm(
         (M.MODEL, M.TENSOR): [],
         (M.EXPERT_MODEL, M.EXPERT_TENSOR): [],
     }
-    with_grads = _grads(parameters)
-    if check_replicas:
-        check_marks([p for p in with_grads if getattr(p, "allreduce", True) is not False], M.TENSOR)
-        check_marks([p for p in with_grads if getattr(p, "allreduce", True) is False], M.EXPERT_TENSOR)
+    given = _params(parameters)
+    if check_replicas:  # every parameter, with a gradient or not: the same list on every rank
+        for expert, within in ((False, M.TENSOR), (True, M.EXPERT_TENSOR)):
+            mine = [(i, p) for i, p in enumerate(given) if (getattr(p, "allreduce", True) is False) == expert]
+            check_marks([p for _, p in mine], within, [f"{i} of those given" for i, _ in mine])
+    with_grads = [p for p in given if p.grad is not None]
     for p in with_grads:
         key = (
             (M.EXPERT_MODEL, M.EXPERT_TENSOR)

@@ -346,7 +346,7 @@ def check_shard_marks(model: torch.nn.Module, clipping: float, ctx: Any = None) 
         if not hasattr(p, "ds_id") and getattr(p, "allreduce", True) is not False
     ]
     try:
-        check_marks([p for _, p in named], M.TENSOR, [n for n, _ in named])
+        check_marks([p for _, p in named], M.TENSOR, [repr(n) for n, _ in named])
     except ValueError as exc:
         if clipping > 0:
             raise ValueError(f"deepspeed.initialize with gradient_clipping={clipping:g}: {exc}") from None

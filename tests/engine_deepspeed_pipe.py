@@ -27,7 +27,7 @@ import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 from torch import nn
-from user_tp_model import HIDDEN, ROWS, STEPS, _AllReduce, _Copy
+from user_tp_model import HIDDEN, MLP, ROWS, STEPS
 
 import parallelctx
 import parallelctx.deepspeed
@@ -39,32 +39,11 @@ LR = 0.01
 WIDTH = 6
 
 
-class Block(nn.Module):
-    """``relu(x w1ᵀ + b1) w2ᵀ + b2``, WIDTH in and out, w1 and b1 split by rows and w2 by
-    columns over ``parts`` tensor ranks (marked), b2 replicated; the partial outputs summed over
-    gpc's tensor group, so a stage's output is the same on every tensor rank, as at Megatron's
-    stage boundaries (DeepSpeed's pipeline splits it over the tensor ranks to send it)."""
-
-    def __init__(self, seed: int, part: int = 0, parts: int = 1) -> None:
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        w1, b1 = torch.randn(HIDDEN, WIDTH, generator=g) / 2, torch.randn(HIDDEN, generator=g)
-        w2, b2 = torch.randn(WIDTH, HIDDEN, generator=g) / 2, torch.randn(WIDTH, generator=g)
-        rows = slice(part * HIDDEN // parts, (part + 1) * HIDDEN // parts)
-        self.w1, self.b1 = nn.Parameter(w1[rows].clone()), nn.Parameter(b1[rows].clone())
-        self.w2, self.b2 = nn.Parameter(w2[:, rows].clone()), nn.Parameter(b2.clone())
-        self.sharded = parts > 1
-        if self.sharded:
-            for p in (self.w1, self.b1, self.w2):
-                p.tensor_model_parallel = True  # type: ignore[attr-defined]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sharded:
-            x = _Copy.apply(x)
-        y = torch.relu(x @ self.w1.T + self.b1) @ self.w2.T
-        if self.sharded:
-            y = _AllReduce.apply(y)
-        return y + self.b2
+def block(seed: int, part: int = 0, parts: int = 1) -> MLP:
+    """One pipeline stage: the user-style MLP WIDTH in and out, its weights from ``seed``. Its
+    output is summed over gpc's tensor group, so it is the same on every tensor rank, as at
+    Megatron's stage boundaries (DeepSpeed's pipeline splits it over the tensor ranks to send it)."""
+    return MLP(part, parts, seed=seed, sizes=(WIDTH, HIDDEN, WIDTH), scale=0.5)
 
 
 def data(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -74,9 +53,9 @@ def data(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]  # fmt: skip
 
 
-def serial(replicas: int) -> tuple[list[Block], list[float]]:
+def serial(replicas: int) -> tuple[list[MLP], list[float]]:
     """Both blocks trained on the whole batch in this process: (blocks, losses)."""
-    blocks = [Block(10), Block(11)]
+    blocks = [block(10), block(11)]
     model = nn.Sequential(*blocks)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
@@ -110,14 +89,14 @@ def main() -> None:
         "pipeline": gpc.get_local_rank(ParallelMode.PIPELINE),
         "data": gpc.data.rank,
     }
-    record["default_refused"] = refused(lambda: PipelineModule([Block(10), Block(11)], num_stages=2))
+    record["default_refused"] = refused(lambda: PipelineModule([block(10), block(11)], num_stages=2))
     record["megatron_topology_refused"] = refused(
-        lambda: PipelineModule([Block(10), Block(11)], topology=PipeModelDataParallelTopology(2, 2, 2))
+        lambda: PipelineModule([block(10), block(11)], topology=PipeModelDataParallelTopology(2, 2, 2))
     )
     topology = parallelctx.deepspeed.pipe_topology()
     record["axes"] = list(topology.get_axis_names())
     model = PipelineModule(
-        [Block(10, gpc.tensor.rank, gpc.tensor.size), Block(11, gpc.tensor.rank, gpc.tensor.size)],
+        [block(10, gpc.tensor.rank, gpc.tensor.size), block(11, gpc.tensor.rank, gpc.tensor.size)],
         topology=topology,
         loss_fn=nn.functional.mse_loss,
         partition_method="uniform",
@@ -158,8 +137,10 @@ def main() -> None:
     mine_params = {n.split(".")[-1]: p for n, p in engine.module.named_parameters()}
     record["names"] = sorted(mine_params)
     record["worst"] = max(float((mine_params[n].detach() - w.detach()).abs().max()) for n, w in want.items())
-    record["moved"] = max(float((mine_params[n].detach() - w.detach()).abs().max()) for n, w in
-                          {k: v for k, v in Block(10 + grid.get_stage_id(), gpc.tensor.rank, 2).named_parameters()}.items())  # fmt: skip
+    start = block(10 + grid.get_stage_id(), gpc.tensor.rank, gpc.tensor.size)
+    record["moved"] = max(
+        float((mine_params[n].detach() - p.detach()).abs().max()) for n, p in start.named_parameters()
+    )
     record["serial_losses"] = serial_losses
     record["losses"] = losses
     record["steps"] = STEPS

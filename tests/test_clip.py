@@ -102,3 +102,17 @@ def test_a_bad_norm_type_and_a_nonfinite_norm_are_named() -> None:
         parallelctx.clip_grad_norm_([p], 1.0, norm_type=0)
     with pytest.raises(RuntimeError, match=r"gradient norm .* is nan; set error_if_nonfinite=False"):
         parallelctx.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_an_unmarked_shard_holding_the_other_ranks_values_in_another_order_is_named() -> None:
+    # equal sums and sums of squares on both tensor ranks: only the order tells the shards apart
+    values = torch.arange(6.0)
+    p = nn.Parameter(values if gpc.get_local_rank(ParallelMode.TENSOR) == 0 else values.flip(0))
+    p.grad = torch.ones(6)
+    with pytest.raises(
+        ValueError, match=r"parameter 0 of those given \(shape \[6\]\) has no tensor_model_parallel"
+    ):
+        parallelctx.grad_norm([p])
+    p.tensor_model_parallel = True  # type: ignore[attr-defined]
+    assert parallelctx.grad_norm([p]).item() == pytest.approx(12**0.5)

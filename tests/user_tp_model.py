@@ -46,22 +46,33 @@ class _Copy(torch.autograd.Function):
         return grad
 
 
-def full_weights() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return {
-        "w1": torch.randn(HIDDEN, IN, generator=g),
-        "b1": torch.randn(HIDDEN, generator=g),
-        "w2": torch.randn(OUT, HIDDEN, generator=g),
-        "b2": torch.randn(OUT, generator=g),
-    }
+def full_weights(
+    seed: int = 0, sizes: tuple[int, int, int] = (IN, HIDDEN, OUT), scale: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """The whole model's weights (``sizes``: in, hidden, out), drawn from ``seed``; ``scale``
+    multiplies w1 and w2."""
+    n_in, hidden, out = sizes
+    g = torch.Generator().manual_seed(seed)
+    w1, b1 = torch.randn(hidden, n_in, generator=g) * scale, torch.randn(hidden, generator=g)
+    w2, b2 = torch.randn(out, hidden, generator=g) * scale, torch.randn(out, generator=g)
+    return {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
 
 
 class MLP(nn.Module):
-    """``relu(x w1ᵀ + b1) w2ᵀ + b2``: w1, b1 split by rows and w2 by columns over ``parts``."""
+    """``relu(x w1ᵀ + b1) w2ᵀ + b2``: w1, b1 split by rows and w2 by columns over ``parts``
+    (weights from :func:`full_weights` with ``seed``, ``sizes``, ``scale``)."""
 
-    def __init__(self, part: int = 0, parts: int = 1) -> None:
+    def __init__(
+        self,
+        part: int = 0,
+        parts: int = 1,
+        *,
+        seed: int = 0,
+        sizes: tuple[int, int, int] = (IN, HIDDEN, OUT),
+        scale: float = 1.0,
+    ) -> None:
         super().__init__()
-        full, step = full_weights(), HIDDEN // parts
+        full, step = full_weights(seed, sizes, scale), sizes[1] // parts
         rows = slice(part * step, (part + 1) * step)
         self.w1 = nn.Parameter(full["w1"][rows].clone())
         self.b1 = nn.Parameter(full["b1"][rows].clone())

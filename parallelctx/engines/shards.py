@@ -90,9 +90,7 @@ def load(
     reader = dcp.FileSystemReader(os.fspath(path))
     saved_layout = reader.read_metadata().state_dict_metadata.get(_LAYOUT)
     if saved_layout is None:
-        raise ValueError(
-            f"{os.fspath(path)} was not written by parallelctx.engines.save (no layout in it)"
-        )
+        raise ValueError(f"{os.fspath(path)} was not written by parallelctx.engines.save (no layout in it)")
     mine = {_LAYOUT: ""}
     dcp.load(mine, checkpoint_id=os.fspath(path))
     if mine[_LAYOUT] != _layout_text():
