@@ -13,7 +13,9 @@ model, the way Megatron does:
 * the squares (the maxima for ``inf``) are summed over gpc's MODEL group (tensor × pipeline:
   each pipeline stage holds other layers); a parameter marked ``allreduce = False`` (Megatron's
   mark of an expert's) over the EXPERT_MODEL group instead (expert-tensor × expert × pipeline),
-  replicas counted on expert-tensor rank 0.
+  replicas counted on expert-tensor rank 0;
+* a parameter marked ``shared = True`` (Megatron's mark of the last pipeline stage's copy of a
+  tied embedding) is left out: the first stage counts it.
 
 The data and context groups are left out: their ranks hold the same gradients once DDP (or
 FSDP, or DeepSpeed) averaged them. The result is the same tensor on every rank, so every rank
@@ -52,54 +54,92 @@ def _params(parameters: torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Ten
 
 
 def _local(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """The ``norm_type``-th power of the norm of ``grads`` (the maximum for inf), float32."""
+    """The ``norm_type``-th power of the norm of ``grads`` (the maximum for inf), float64 (the
+    power taken in float64: float32 overflows where the norm itself does not)."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norm = torch.nn.utils.get_total_norm(grads, norm_type).to(device=device, dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type).to(device=device, dtype=torch.float64)
     return norm if norm_type == float("inf") else norm**norm_type
 
 
+def _hash_weights(n: int, device: torch.device) -> torch.Tensor:
+    """``n`` fixed pseudo-random weights in [0, 1), float64: a weighted sum by them tells apart
+    two tensors with the same values in another order (a symmetric weighting would not)."""
+    x = torch.sin(torch.arange(n, dtype=torch.float64, device=device) * 12.9898 + 78.233) * 43758.5453
+    return x - x.floor()
+
+
 def _fingerprint(p: torch.Tensor) -> torch.Tensor:
-    """Sum, sum of squares and a position-weighted sum of ``p``, float64."""
+    """Of ``p``'s values and of its gradient: sum, sum of squares and a pseudo-randomly weighted
+    sum (non-finite gradient entries counted as 0), whether it has a gradient, and whether that
+    gradient has a non-finite entry; float64, 8 numbers."""
     flat = p.detach().double().flatten()
-    weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=flat.device)
-    return torch.stack([flat.sum(), flat.square().sum(), (flat * weights).sum()])
+    weights = _hash_weights(flat.numel(), flat.device)
+    values = [flat.sum(), flat.square().sum(), (flat * weights).sum()]
+    if p.grad is None:
+        zero = torch.zeros((), dtype=torch.float64, device=flat.device)
+        return torch.stack([*values, zero, zero, zero, zero, zero])
+    g = p.grad.detach().double().flatten()
+    finite = torch.isfinite(g)
+    g = torch.where(finite, g, torch.zeros_like(g))
+    grads = [g.sum(), g.square().sum(), (g * weights).sum()]
+    flags = [torch.ones_like(grads[0]), (~finite).any().double()]
+    return torch.stack([*values, flags[0], *grads, flags[1]])
+
+
+_WHAT_DIFFERS = ("values", "values", "values", "gradient (present on some ranks only)", "gradients",
+                 "gradients", "gradients", "gradient's finiteness (non-finite on some ranks only)")  # fmt: skip
 
 
 def check_marks(
     params: list[torch.Tensor], within: ParallelMode = M.TENSOR, names: list[str] | None = None
 ) -> None:
-    """Check that every parameter of ``params`` without the ``tensor_model_parallel`` mark is
-    equal across this rank's ``within`` group (one all-reduce of three sums per parameter; every
-    rank of the group must call it with the same number of parameters). The fingerprint of a
-    parameter is its sum, its sum of squares and a position-weighted sum, so a shard whose values
-    are the other ranks' in another order is told apart too. Returns None.
+    """Check that every parameter of ``params`` without the ``tensor_model_parallel`` mark is a
+    true replica across this rank's ``within`` group: the same values, and the same gradient
+    (or none on every rank), as data and tensor parallelism keep a replica's. Two small
+    all-reduces: the number of unmarked parameters, then a fingerprint of each (sums, sums of
+    squares and pseudo-randomly weighted sums of values and gradient, so a shard holding the
+    other rank's values in another order, or a zero-initialised shard whose gradients differ,
+    is told apart). Returns None.
 
     Raises:
-        ValueError: the first unmarked parameter whose values differ across the group, named (by
-            ``names[i]`` when given, else its index in ``params``) with its shape and the fix: a shard without
-            the mark (counted once in a gradient norm, so the norm comes out too small), or
-            replicas that drifted apart. Every rank raises the same error.
+        ValueError: every rank of the group does not hold the same number of unmarked
+            parameters (both counts named); or the first unmarked parameter whose values or
+            gradient differ across the group, named (by ``names[i]`` when given, else its index
+            in ``params``) with its shape and the fix: a shard without the mark (counted once in a
+            gradient norm, so the norm comes out too small), or replicas that drifted apart.
+            Every rank of the group raises.
     """
     if gpc.get_world_size(within) <= 1:
         return
     plain = [(i, p) for i, p in enumerate(params) if not getattr(p, "tensor_model_parallel", False)]
+    group = gpc.get_group(within)
+    count = torch.tensor([float(len(plain)), -float(len(plain))], dtype=torch.float64, device=gpc.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    if count[0].item() != -count[1].item():
+        raise ValueError(
+            f"the ranks of the {within.value} group {gpc.get_ranks_in_group(within)} hold from "
+            f"{int(-count[1].item())} to {int(count[0].item())} parameters without the "
+            "tensor_model_parallel mark (this rank: "
+            f"{len(plain)}): every rank of the group must pass the same parameters, in the same order"
+        )
     if not plain:
         return
     sums = torch.stack([_fingerprint(p) for _, p in plain]).to(gpc.device)
     both = torch.cat([sums, -sums])
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=gpc.get_group(within))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[: len(plain)], -both[len(plain) :]
     differ = (high - low).abs() > 1e-6 * (high.abs() + low.abs()) + 1e-12
-    for (i, p), bad in zip(plain, differ.any(dim=1).tolist(), strict=True):
-        if bad:
+    for (i, p), row in zip(plain, differ.tolist(), strict=True):
+        if any(row):
             what = f"parameter {names[i]}" if names is not None else f"parameter {i} of those given"
             raise ValueError(
                 f"{what} (shape {list(p.shape)}) has no tensor_model_parallel mark, so "
                 f"it counts as a replica over the {within.value} group (ranks "
-                f"{gpc.get_ranks_in_group(within)}), but its values differ across those ranks: if it is "
-                "a shard, mark it (p.tensor_model_parallel = True; Megatron's parallel layers do) or the "
-                "norm comes out too small; if it is a replica, the replicas have drifted apart"
+                f"{gpc.get_ranks_in_group(within)}), but its {_WHAT_DIFFERS[row.index(True)]} differ across "
+                "those ranks: if it is a shard, mark it (p.tensor_model_parallel = True; Megatron's "
+                "parallel layers do) or the norm comes out too small; if it is a replica, the replicas "
+                "have drifted apart or were not reduced alike"
             )
 
 
@@ -108,26 +148,37 @@ def grad_norm(
 ) -> torch.Tensor:
     """The norm of the whole model's gradients, of which ``parameters`` are this rank's (the
     module docstring says how shards and replicas count). Every rank of the launch must call it
-    with its own parameters (it all-reduces over gpc's MODEL group and, where the layout has an
-    expert axis, its EXPERT_MODEL group).
+    with its own parameters, the same number on the ranks of a tensor group (it all-reduces
+    over gpc's MODEL group and, where the layout has an expert axis, its EXPERT_MODEL group).
+    A parameter marked ``shared = True`` (Megatron's mark of the last stage's copy of a tied
+    embedding) is left out, as Megatron does.
 
-    ``check_replicas`` (default): check first that every parameter without the mark is equal
-    across its tensor group (one more small all-reduce), so that a shard missing its mark is
+    ``check_replicas`` (default): check first that every parameter without the mark is a true
+    replica across its tensor group (:func:`check_marks`), so that a shard missing its mark is
     named instead of counted once.
 
     Returns:
-        A float32 scalar tensor on gpc's device, the same on every rank.
+        A scalar tensor on gpc's device, the same on every rank: float64 when this rank's
+        gradients are, else float32 (summed in float64 either way). nan when any rank's
+        gradients hold a nan.
 
     Raises:
         NotLaunchedError: gpc is not launched.
         TypeError: a parameter is not a tensor, or is a DTensor.
-        ValueError: ``norm_type`` is not positive; with ``check_replicas``, a parameter without
-            the mark differs across its tensor group (named by its index and shape).
+        ValueError: ``norm_type`` is not positive; gtp_remat > 1 (how its shards count is not
+            known here); with ``check_replicas``, what :func:`check_marks` raises.
     """
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(
             f"norm_type={norm_type} must be positive (2.0 for the Euclidean norm, inf for the largest)"
+        )
+    layout = gpc.launched.layout
+    if layout is not None and max(layout.gtp_remat, layout.expert_gtp_remat) > 1:
+        raise ValueError(
+            f"parallelctx.clip_grad_norm_ under gtp_remat={layout.gtp_remat} (expert "
+            f"{layout.expert_gtp_remat}): which parameters GTP shards is Megatron's to say; clip with "
+            "Megatron's own optimizer (megatron.core.optimizer), which knows its parameters"
         )
     # (the group the squares are summed over, the group whose rank 0 counts a replica): grads
     buckets: dict[tuple[ParallelMode, ParallelMode], list[torch.Tensor]] = {
@@ -139,16 +190,15 @@ def grad_norm(
         for expert, within in ((False, M.TENSOR), (True, M.EXPERT_TENSOR)):
             mine = [(i, p) for i, p in enumerate(given) if (getattr(p, "allreduce", True) is False) == expert]
             check_marks([p for _, p in mine], within, [f"{i} of those given" for i, _ in mine])
-    with_grads = [p for p in given if p.grad is not None]
-    for p in with_grads:
+    for p in given:
+        if p.grad is None or getattr(p, "shared", False):
+            continue
         key = (
             (M.EXPERT_MODEL, M.EXPERT_TENSOR)
             if getattr(p, "allreduce", True) is False
             else (M.MODEL, M.TENSOR)
         )
-        if p.grad is not None and (
-            getattr(p, "tensor_model_parallel", False) or gpc.get_local_rank(key[1]) == 0
-        ):
+        if getattr(p, "tensor_model_parallel", False) or gpc.get_local_rank(key[1]) == 0:
             buckets[key].append(p.grad)
     inf = norm_type == float("inf")
     dense, experts = buckets.values()
@@ -158,14 +208,25 @@ def grad_norm(
         parts[0] = (M.MODEL, torch.maximum(parts[0][1], expert_part) if inf else parts[0][1] + expert_part)
     else:  # both, on every rank: a stage without experts joins too
         parts.append((M.EXPERT_MODEL, expert_part))
-    total = torch.zeros((), dtype=torch.float32, device=gpc.device)
+    total = torch.zeros((), dtype=torch.float64, device=gpc.device)
+    nan = torch.zeros((), dtype=torch.float64, device=gpc.device)
     for over, part in parts:
+        # gloo's MAX drops a nan that is not on the group's first rank: carry it as a flag
+        flagged = torch.stack([torch.nan_to_num(part, nan=0.0, posinf=float("inf")), part.isnan().double()])
         if gpc.get_world_size(over) > 1:
             dist.all_reduce(
-                part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=gpc.get_group(over)
+                flagged, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=gpc.get_group(over)
             )
-        total = torch.maximum(total, part) if inf else total + part
-    return total if norm_type == float("inf") else total ** (1.0 / norm_type)
+        total = torch.maximum(total, flagged[0]) if inf else total + flagged[0]
+        nan = nan + flagged[1]
+    if nan.item() > 0:
+        total = torch.full_like(total, float("nan"))
+    dtype = (
+        torch.float64
+        if any(p.grad is not None and p.grad.dtype == torch.float64 for p in given)
+        else torch.float32
+    )
+    return (total if inf else total ** (1.0 / norm_type)).to(dtype)
 
 
 def clip_grad_norm_(
@@ -183,13 +244,12 @@ def clip_grad_norm_(
     ``check_replicas``: as for :func:`grad_norm`.
 
     Returns:
-        The whole model's norm before clipping (float32, the same on every rank).
+        The whole model's norm before clipping (as :func:`grad_norm` returns it).
 
     Raises:
         NotLaunchedError: gpc is not launched.
         TypeError: a parameter is not a tensor, or is a DTensor.
-        ValueError: ``norm_type`` is not positive, or a parameter without the mark differs
-            across its tensor group (``check_replicas``).
+        ValueError: what :func:`grad_norm` raises.
         RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -116,3 +116,61 @@ def test_an_unmarked_shard_holding_the_other_ranks_values_in_another_order_is_na
         parallelctx.grad_norm([p])
     p.tensor_model_parallel = True  # type: ignore[attr-defined]
     assert parallelctx.grad_norm([p]).item() == pytest.approx(12**0.5)
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_a_zero_initialised_shard_without_the_mark_is_named_by_its_gradient() -> None:
+    # equal values on both ranks (zeros, as Megatron initialises biases), different gradients
+    p = nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 1.0 + gpc.get_local_rank(ParallelMode.TENSOR))
+    with pytest.raises(ValueError, match=r"parameter 0 of those given \(shape \[4\]\).*its gradients differ"):
+        parallelctx.grad_norm([p])
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_different_parameter_counts_on_a_tensor_group_are_named_not_crashed() -> None:
+    params = [nn.Parameter(torch.ones(2)) for _ in range(1 + gpc.get_local_rank(ParallelMode.TENSOR))]
+    for p in params:
+        p.grad = torch.ones(2)
+    with pytest.raises(
+        ValueError, match=r"hold from 1 to 2 parameters without the tensor_model_parallel mark"
+    ):
+        parallelctx.grad_norm(params)
+
+
+@pytest.mark.parallel(world_size=2, pipeline=2)
+def test_megatrons_shared_copy_of_a_tied_embedding_is_counted_once() -> None:
+    # both stages hold the embedding (gradient 1 each, 4 entries); the last stage's copy is shared
+    emb = nn.Parameter(torch.zeros(4))
+    emb.grad = torch.ones(4)
+    if gpc.get_local_rank(ParallelMode.PIPELINE) == 1:
+        emb.shared = True  # type: ignore[attr-defined]
+    assert parallelctx.grad_norm([emb]).item() == pytest.approx(2.0)
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_a_nan_on_any_rank_makes_the_inf_norm_nan_on_every_rank() -> None:
+    # gloo's MAX keeps a nan only from the group's first rank: the last rank's nan must still count
+    p = nn.Parameter(torch.zeros(2))
+    p.tensor_model_parallel = True  # type: ignore[attr-defined]
+    p.grad = torch.tensor([1.0, float("nan") if gpc.get_global_rank() == 1 else 2.0])
+    assert parallelctx.grad_norm([p], float("inf")).isnan()
+    with pytest.raises(RuntimeError, match=r"gradient norm \(order inf\) is nan"):
+        parallelctx.clip_grad_norm_([p], 1.0, float("inf"), error_if_nonfinite=True)
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_float64_gradients_are_normed_in_float64() -> None:
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.tensor_model_parallel = True  # type: ignore[attr-defined]
+    p.grad = torch.full((3,), 1e20, dtype=torch.float64)
+    norm = parallelctx.grad_norm([p])
+    assert norm.dtype == torch.float64 and norm.item() == pytest.approx((6 * 1e40) ** 0.5, rel=1e-12)
+
+
+@pytest.mark.parallel(world_size=2, config={"parallel": {"gtp_remat": 2}})
+def test_gtp_remat_is_refused_naming_megatrons_optimizer() -> None:
+    p = nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"gtp_remat=2 .*megatron.core.optimizer"):
+        parallelctx.grad_norm([p])

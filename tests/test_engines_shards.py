@@ -67,12 +67,12 @@ def test_a_checkpoint_of_another_layout_is_refused_naming_both(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, opt = _model()
-    monkeypatch.setattr(shards, "_layout_text", lambda: "Layout(world_size=4, tensor=4)")
+    monkeypatch.setattr(shards, "_layout_text", lambda: "tensor=4 pipeline=1")
     parallelctx.engines.save(tmp_path / "other", model, opt)
     monkeypatch.undo()
     with pytest.raises(
         ValueError,
-        match=r"saved under the layout 'Layout\(world_size=4, tensor=4\)'.*resume with the saved layout",
+        match=r"saved with 'tensor=4 pipeline=1', and this job runs 'tensor=2 pipeline=1 expert=1.*resume with the saved model-parallel sizes",
     ):
         parallelctx.engines.load(tmp_path / "other", model, opt)
 
@@ -85,3 +85,42 @@ def test_a_folder_not_written_by_save_is_named(tmp_path: Path) -> None:
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "plain"))
     with pytest.raises(ValueError, match=r"plain was not written by parallelctx.engines.save"):
         parallelctx.engines.load(tmp_path / "plain", model)
+
+
+@pytest.mark.parallel(world_size=4, tensor=2, config={"parallel": {"gtp_remat": 2}})
+def test_gtp_remat_shards_are_kept_apart(tmp_path: Path) -> None:
+    # tensor 2 x gtp_remat 2: four shards, each rank resumes its own (the key names the gtp rank)
+    me = float(gpc.get_global_rank())
+    model = nn.Linear(3, 3)
+    with torch.no_grad():
+        model.weight.fill_(me)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    parallelctx.engines.save(tmp_path / "gtp", model, opt)
+    before = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()
+    fresh = nn.Linear(3, 3)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    parallelctx.engines.load(tmp_path / "gtp", fresh, fresh_opt)
+    assert torch.equal(fresh.weight, before[0])
+    assert torch.equal(fresh_opt.state[fresh.weight]["momentum_buffer"], before[1])
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_a_model_only_checkpoint_loaded_with_an_optimizer_is_named(tmp_path: Path) -> None:
+    model, opt = _model()
+    parallelctx.engines.save(tmp_path / "model-only", model)
+    with pytest.raises(ValueError, match=r"holds no optimizer state \(it was saved without one\)"):
+        parallelctx.engines.load(tmp_path / "model-only", model, opt)
+    parallelctx.engines.load(tmp_path / "model-only", model)  # the group is still in step
+
+
+@pytest.mark.parallel(world_size=2, tensor=2)
+def test_a_rank_that_cannot_save_stops_every_rank_at_once(tmp_path: Path) -> None:
+    class Broken(nn.Linear):
+        def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            raise RuntimeError("disk of rank 1")
+
+    model = Broken(2, 2) if gpc.get_global_rank() == 1 else nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"disk of rank 1|rank 1 could not use the checkpoint"):
+        parallelctx.engines.save(tmp_path / "broken", model)
