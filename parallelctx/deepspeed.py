@@ -33,7 +33,15 @@ its dtype given through the config). The engine checks it: when DeepSpeed's engi
 being built, asks the mpu for the sequence-data-parallel group, :func:`check_zero_partitions`
 runs on the engine's model and a parameter partitioned over another group (or, with context > 1,
 not built under ``zero.Init`` at all) raises :class:`ZeroPartitionError` out of
-``deepspeed.initialize``, naming the parameter, the two groups and the fix.
+``deepspeed.initialize``, naming the parameter, the two groups and the fix. In the same place it
+checks Megatron's mark (:func:`check_shard_marks`) and, with pipeline > 1 and clipping on, that
+DeepSpeed's gradient norm counts the replicated parameters of every stage (ZeRO-3 and float32
+without ZeRO count them on model-parallel rank 0 alone, i.e. on the first stage: refused).
+
+DeepSpeed's ``PipelineModule`` takes no mpu: :func:`pipe_topology` gives it gpc's placement, a
+module built with another is refused when it is built (:func:`check_pipe_topology`, run by
+:mod:`parallelctx.engines.guard`), and :func:`check_pipe_engine` checks the engine
+``deepspeed.initialize`` returns (marks, and the stage-norm rule above).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ __all__ = [
     "DeepSpeedMPU",
     "PipeTopologyError",
     "ZeroPartitionError",
+    "check_pipe_engine",
     "check_pipe_topology",
     "check_shard_marks",
     "check_zero_partitions",
@@ -197,13 +206,17 @@ class DeepSpeedMPU:
         """The data × context process group (where ZeRO partitions).
 
         Asked by DeepSpeed's engine while it is being built, it first checks the engine's model:
-        with :func:`check_zero_partitions` under ZeRO-3, and with :func:`check_shard_marks`.
+        with :func:`check_zero_partitions` under ZeRO-3, with :func:`check_shard_marks`, and,
+        with pipeline > 1, that DeepSpeed's gradient norm counts every stage's replicated
+        parameters (module docstring).
 
         Raises:
             ZeroPartitionError: ZeRO-3 and a parameter of the engine's model is partitioned over
                 another group, or (context > 1) was not built under ``zero.Init``.
             ValueError: ``gradient_clipping`` is on and an unmarked parameter differs across the
-                tensor group (:func:`check_shard_marks`).
+                tensor group (:func:`check_shard_marks`), or, with pipeline > 1, ZeRO-3 or float32
+                without ZeRO would leave the replicated parameters of every stage but the first
+                out of the norm.
         """
         group = self._ctx.get_group(M.DATA_CONTEXT)
         engine = _engine_being_built()
@@ -212,6 +225,11 @@ class DeepSpeedMPU:
             if engine.zero_optimization_stage() == 3:
                 check_zero_partitions(engine.module, self._ctx)
             check_shard_marks(engine.module, float(engine.gradient_clipping() or 0.0), self._ctx)
+            _check_stage_norm(
+                engine,
+                self._ctx,
+                "ZeRO stage 1 or 2 (their norm counts them on tensor rank 0 of every stage)",
+            )
         return group
 
 
@@ -351,6 +369,91 @@ def check_shard_marks(model: torch.nn.Module, clipping: float, ctx: Any = None) 
         if clipping > 0:
             raise ValueError(f"deepspeed.initialize with gradient_clipping={clipping:g}: {exc}") from None
         logger.warning("parallelctx: %s (gradient_clipping is off, so nothing reads that norm yet)", exc)
+
+
+def _unmarked(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed's gradient norm takes ``param`` for a replica: no Megatron mark
+    (``tensor_model_parallel`` / ``model_parallel``), not a DeepSpeed-MoE expert."""
+    marked = getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False)
+    return not marked and getattr(param, "allreduce", True) is not False
+
+
+def _check_stage_norm(engine: Any, ctx: Any, fix: str) -> None:
+    """Refuse a DeepSpeed engine whose clipped steps would leave the replicated parameters of every
+    pipeline stage but the first out of the gradient norm; returns None.
+
+    DeepSpeed 0.19.8 counts an unmarked parameter on *model-parallel* rank 0 alone under ZeRO-3
+    (``stage3.py``) and in float32 without ZeRO (``runtime.utils.clip_grad_norm_``), and that
+    group spans the pipeline stages (gpc's MODEL; a PipelineEngine's grid: pipe × model), so the
+    replicated parameters of stages 1.. are never counted (ZeRO-1/2 and the bf16/fp16 optimizers
+    count them on tensor rank 0 of every stage). One all-reduce of one flag over the world, only
+    with clipping on, pipeline > 1 and one of the two; every rank raises the same error.
+
+    Raises:
+        ValueError: a stage other than the first holds an unmarked parameter; names the fix.
+    """
+    clipping = float(engine.gradient_clipping() or 0.0)
+    pipeline = int(ctx.get_world_size(M.PIPELINE))
+    if clipping <= 0 or pipeline <= 1:
+        return
+    if engine.zero_optimization_stage() == 3:
+        how = "ZeRO-3"
+    elif engine.zero_optimization_stage() == 0 and not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        how = "float32 without ZeRO"
+    else:
+        return
+    mine = ctx.get_local_rank(M.PIPELINE) > 0 and any(_unmarked(p) for p in engine.module.parameters())
+    flag = torch.tensor([float(mine)], device=ctx.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.get_group(M.GLOBAL))
+    if flag.item() > 0:
+        import deepspeed
+
+        later = "stage 1" if pipeline == 2 else f"stages 1 to {pipeline - 1}"
+        raise ValueError(
+            f"DeepSpeed with gradient_clipping={clipping:g}, {how} and pipeline={pipeline}: DeepSpeed "
+            f"{deepspeed.__version__} counts a parameter without the tensor_model_parallel mark in the "
+            "gradient norm on model-parallel rank 0 alone, and the model-parallel group spans the "
+            f"pipeline stages, so the replicated parameters of {later} are left out of the norm and "
+            f"every clipped step is too large; use {fix}, or set gradient_clipping=0.0 (DeepSpeed "
+            "clips at 1.0 where the key is absent)"
+        )
+
+
+def check_pipe_engine(engine: Any, ctx: Any = None) -> None:
+    """Check a DeepSpeed ``PipelineEngine`` (what ``deepspeed.initialize`` returns for a
+    ``PipelineModule``, which takes no ``mpu``, so the mpu's own checks never see it) against gpc:
+    its topology is gpc's (:func:`check_pipe_topology`), every parameter that differs across the
+    tensor group carries Megatron's mark (:func:`check_shard_marks`: refused with clipping, warned
+    without), and, with pipeline > 1, clipping in float32 without ZeRO, where DeepSpeed 0.19.8's
+    norm leaves out the replicated parameters of every stage but the first (docs/engines.md has
+    what it costs), is refused. A collective call: every rank calls it, right after
+    ``deepspeed.initialize``. Returns None.
+
+    Args:
+        engine: the ``deepspeed.runtime.pipe.engine.PipelineEngine``.
+        ctx: the parallel context (default: ``gpc``).
+
+    Raises:
+        TypeError: ``engine`` is not a PipelineEngine (a plain DeepSpeed engine built with
+            ``mpu=parallelctx.deepspeed.mpu()`` was checked while it was built).
+        PipeTopologyError: the engine's topology places a rank elsewhere than gpc's layout.
+        ValueError: an unmarked parameter differs across the tensor group and clipping is on; or
+            clipping in float32 without ZeRO with pipeline > 1 (the fix: ``zero_optimization.stage=1``,
+            whose norm counts every stage, or ``gradient_clipping=0.0``).
+        NotLaunchedError: the context is not launched.
+    """
+    ctx = _context(ctx)
+    module = sys.modules.get("deepspeed.runtime.pipe.engine")
+    if module is None or not isinstance(engine, module.PipelineEngine):
+        raise TypeError(
+            f"check_pipe_engine({type(engine).__name__}): it checks the PipelineEngine deepspeed.initialize "
+            "returns for a PipelineModule; an engine built with mpu=parallelctx.deepspeed.mpu() checks itself"
+        )
+    check_pipe_topology(engine.module.topology(), None, ctx)
+    check_shard_marks(engine.module, float(engine.gradient_clipping() or 0.0), ctx)
+    _check_stage_norm(
+        engine, ctx, "zero_optimization.stage=1 (its norm counts them on tensor rank 0 of every stage)"
+    )
 
 
 def zero_init(

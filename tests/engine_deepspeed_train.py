@@ -11,6 +11,14 @@ rank): the dtypes ``zero_init`` builds under either answer, the wrong ZeRO-3 bui
 ``deepspeed.initialize`` refuses, and what a model built without ``zero_init`` would have trained
 (the refusal switched off).
 
+In the tensor=2 × pipeline=2 layout (a third file per rank): ``deepspeed.initialize`` refusing
+clipping under ZeRO-3 and under float32 without ZeRO (DeepSpeed's norm would count the first
+stage's replicated parameters only), and DeepSpeed's own pipeline: two TPMLP blocks as two stages
+of a ``PipelineModule`` built with ``topology=parallelctx.deepspeed.pipe_topology()``, trained by
+``engine.train_batch`` with the gradient clipped, under ZeRO-1 (equal to the serial clipped run)
+and without ZeRO (refused by ``check_pipe_engine``; trained anyway, it equals the serial run
+clipped by the norm without the second stage's b2, and not the serial run).
+
 Usage: torchrun --standalone --nproc-per-node 8 tests/engine_deepspeed_train.py OUT_DIR
 """
 
@@ -31,7 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
-from engine_models import STEPS, TPMLP, batches, check_equals_serial, my_share
+from deepspeed.pipe import PipelineModule
+from engine_models import LR, ROWS, STEPS, TPMLP, batches, check_equals_serial, full_weights, my_share, shard
 
 import parallelctx
 import parallelctx.deepspeed
@@ -171,6 +180,8 @@ def main() -> None:
     gpc.destroy()
     parallelctx.launch_from_torch(dict(parallel=dict(tensor=2, pipeline=2), dist=dict(timeout=300)))
     records.append(train(2, out))
+    pipe = {"refused": stage_norm_refusals(), **pipeline_runs()}
+    Path(out, f"rank-{gpc.get_global_rank()}-pipe.json").write_text(json.dumps(pipe))
     # sequence parallelism = gpc's context axis, in an order where no group is a run of neighbours
     # (TENSOR [0,2] [1,3]..., CONTEXT [0,1] [2,3]..., DATA [0,4]..., DATA_CONTEXT [0,1,4,5] [2,3,6,7]):
     # ZeRO-2 and ZeRO-3 must partition and reduce over DATA_CONTEXT
@@ -240,7 +251,7 @@ def unmarked_shard() -> dict[str, str]:
     said = {}
     for key, clip in (("clipped", CLIP), ("unclipped", 0.0)):
         model = TPMLP()
-        model.w1.tensor_model_parallel = False
+        model.w1.tensor_model_parallel = False  # type: ignore[union-attr]
         handler = logging.handlers.BufferingHandler(100)
         logging.getLogger("parallelctx.deepspeed").addHandler(handler)
         try:
@@ -257,6 +268,113 @@ def unmarked_shard() -> dict[str, str]:
         finally:
             logging.getLogger("parallelctx.deepspeed").removeHandler(handler)
     return said
+
+
+def stage_norm_refusals() -> dict[str, str]:
+    """What ``deepspeed.initialize(..., mpu=...)`` says to clipping with pipeline > 1 under ZeRO-3
+    and under float32 without ZeRO (the TPMLP's b2 is replicated on every stage)."""
+    said = {}
+    for stage in (0, 3):
+        model = TPMLP()
+        try:
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                config=ds_config(stage, clip=CLIP),
+                mpu=parallelctx.deepspeed.mpu(),
+            )
+            engine.destroy()
+            said[f"zero{stage}"] = "accepted"
+        except ValueError as exc:
+            said[f"zero{stage}"] = str(exc)
+    return said
+
+
+def serial_pipeline(replicas: int, clip: float, left_out: str = "") -> list[dict[str, torch.Tensor]]:
+    """Two TPMLP blocks in a row (the whole model, the whole batch, in this process) after STEPS
+    SGD steps, the gradient clipped to ``clip`` by the global norm of every weight but
+    ``left_out`` (``"1.b2"``: the second block's b2); every step asserts it is clipped."""
+    blocks = [{k: v.clone().requires_grad_(True) for k, v in full_weights().items()} for _ in range(2)]
+    named = {f"{i}.{k}": v for i, block in enumerate(blocks) for k, v in block.items()}
+    opt = torch.optim.SGD(list(named.values()), lr=LR)
+    for x, y in batches(replicas):
+        opt.zero_grad()
+        h = x
+        for w in blocks:
+            h = F.linear(torch.tanh(F.linear(h, w["w1"], w["b1"])), w["w2"], w["b2"])
+        F.mse_loss(h, y).backward()
+        grads = {k: v.grad for k, v in named.items() if v.grad is not None}
+        norm = torch.linalg.vector_norm(torch.stack([g.norm() for k, g in grads.items() if k != left_out]))
+        assert norm > 2 * clip, f"the gradient norm {norm} is not clipped by {clip}"
+        coef = min(1.0, clip / (float(norm) + 1e-6))  # DeepSpeed's and torch's rule
+        for g in grads.values():
+            g.mul_(coef)
+        opt.step()
+    return [{k: v.detach() for k, v in block.items()} for block in blocks]
+
+
+@contextlib.contextmanager
+def unchecked_pipeline_engine() -> Iterator[None]:
+    """Inside, DeepSpeed's PipelineEngine is built without parallelctx's check (its own
+    ``__init__``, which the guard wrapped, put back), to train what the check refuses."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    guarded = PipelineEngine.__init__
+    PipelineEngine.__init__ = guarded.__wrapped__  # type: ignore[attr-defined, method-assign]
+    try:
+        yield
+    finally:
+        PipelineEngine.__init__ = guarded  # type: ignore[method-assign]
+
+
+def pipeline_runs() -> dict[str, object]:
+    """DeepSpeed's PipelineModule on gpc's layout, clipped: ZeRO-1 (accepted by the check
+    ``deepspeed.initialize`` now runs, compared with the serial clipped run), no ZeRO (refused
+    at ``deepspeed.initialize``; built without the check and trained anyway), and
+    check_pipe_engine on the ZeRO-1 engine with w1's mark taken off."""
+    from parallelctx.deepspeed import check_pipe_engine
+
+    seen: dict[str, object] = {}
+    for stage in (1, 0):
+        model = PipelineModule(
+            [TPMLP(), TPMLP()],
+            topology=parallelctx.deepspeed.pipe_topology(),
+            loss_fn=F.mse_loss,
+            partition_method="uniform",
+        )
+        config = ds_config(stage, clip=CLIP)
+        config.update(train_micro_batch_size_per_gpu=ROWS // 2, gradient_accumulation_steps=2)
+        build = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=LR), "config": config}
+        try:  # parallelctx checks the PipelineEngine as deepspeed.initialize builds it
+            engine, *_ = deepspeed.initialize(**build)
+            seen[f"zero{stage}_check"] = "accepted"
+        except ValueError as exc:
+            seen[f"zero{stage}_check"] = str(exc)
+            with unchecked_pipeline_engine():  # the refused engine, built anyway, to show why
+                engine, *_ = deepspeed.initialize(**build)
+        for batch in batches(gpc.data.size):  # this data rank's rows, in 2 micro-batches
+            x, y = my_share(batch, gpc.data.rank)
+            engine.train_batch(iter([(x[: ROWS // 2], y[: ROWS // 2]), (x[ROWS // 2 :], y[ROWS // 2 :])]))
+        mine = {n.split(".")[-1]: p.detach() for n, p in engine.module.named_parameters()}
+        stage_id = engine.grid.get_stage_id()
+        seen["stage_id"] = stage_id
+        for key, left_out in (("worst", ""), ("vs_first_stage_rule", "1.b2")):
+            whole = serial_pipeline(gpc.data.size, CLIP, left_out)[stage_id]
+            want = shard(whole, gpc.tensor.rank, gpc.tensor.size)
+            seen[f"zero{stage}_{key}"] = max(float((mine[n] - want[n]).abs().max()) for n in want)
+        start = shard(full_weights(), gpc.tensor.rank, gpc.tensor.size)
+        seen[f"zero{stage}_moved"] = max(float((mine[n] - start[n]).abs().max()) for n in start)
+        if stage == 1:
+            w1 = next(p for n, p in engine.module.named_parameters() if n.endswith("w1"))
+            w1.tensor_model_parallel = False
+            try:
+                check_pipe_engine(engine)
+                seen["unmarked_check"] = "accepted"
+            except ValueError as exc:
+                seen["unmarked_check"] = str(exc)
+            w1.tensor_model_parallel = True
+        engine.destroy()
+    return seen
 
 
 def refusals() -> dict[str, str]:

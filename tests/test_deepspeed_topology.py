@@ -1,7 +1,7 @@
 """parallelctx.deepspeed.pipe_axes / check_pipe_topology: DeepSpeed's PipelineModule topology
 from gpc's layout, without processes and without DeepSpeed (its ``ProcessTopology`` places rank
 ``r`` at ``numpy.unravel_index(r, dims)`` over ``axes``, slowest first; the mirror below is that
-rule, checked against DeepSpeed itself in tests/test_engine_deepspeed.py).
+rule, checked against DeepSpeed's own class in tests/test_engine_deepspeed.py, process-free too).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from parallelctx import ParallelMode
-from parallelctx.deepspeed import PipeTopologyError, check_pipe_topology, pipe_axes
+from parallelctx.deepspeed import PipeTopologyError, check_pipe_engine, check_pipe_topology, pipe_axes
 from parallelctx.planning.layout import Layout
 
 
@@ -102,3 +102,9 @@ def test_a_topology_of_another_order_is_refused_naming_the_rank() -> None:
 def test_axes_deepspeeds_pipeline_has_not_are_refused() -> None:
     with pytest.raises(PipeTopologyError, match=r"context=2 has no place"):
         pipe_axes(Layout(8, context=2, pipeline=2))
+
+
+def test_check_pipe_engine_takes_a_pipeline_engine_only() -> None:
+    # DeepSpeed's pipeline module not imported here: nothing can be a PipelineEngine
+    with pytest.raises(TypeError, match=r"check_pipe_engine\(object\): it checks the PipelineEngine"):
+        check_pipe_engine(object(), FakeContext(Layout(8, pipeline=2)))

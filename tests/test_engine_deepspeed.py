@@ -44,6 +44,12 @@ def records(run: Path) -> list[list[dict[str, Any]]]:
 
 
 @pytest.fixture(scope="module")
+def pipe(run: Path) -> list[dict[str, Any]]:
+    """Every rank's pipeline checks (tensor=2 × pipeline=2, the default order), rank order."""
+    return [json.loads(Path(run, f"rank-{r}-pipe.json").read_text()) for r in range(8)]
+
+
+@pytest.fixture(scope="module")
 def zero3(run: Path) -> list[dict[str, Any]]:
     """Every rank's ZeRO-3 checks (tensor=2 × context=2, "cp-tp-dp-pp"), rank order."""
     return [json.loads(Path(run, f"rank-{r}-zero3.json").read_text()) for r in range(8)]
@@ -194,3 +200,74 @@ def test_a_shard_without_megatrons_mark_is_refused_when_clipping_and_warned_othe
         assert unclipped.startswith("accepted; logged: parallelctx: parameter 'w1'"), unclipped
         assert unclipped.count("parameter 'w1'") == 1  # once per engine, though DeepSpeed asks 5 times
         assert "gradient_clipping is off" in unclipped
+
+
+def test_clipping_with_pipeline_is_refused_where_deepspeed_counts_the_first_stage_alone(
+    pipe: list[dict[str, Any]],
+) -> None:
+    # ZeRO-3 and float32 without ZeRO count an unmarked parameter on model-parallel rank 0 alone:
+    # with pipeline 2, the second stage's b2 would be left out of every clipped step's norm
+    for checks in pipe:
+        for stage, how in (("zero0", "float32 without ZeRO"), ("zero3", "ZeRO-3")):
+            said = checks["refused"][stage]
+            assert said.startswith(f"DeepSpeed with gradient_clipping=0.05, {how} and pipeline=2:"), said
+            assert "replicated parameters of stage 1 are left out of the norm" in said, said
+            assert "use ZeRO stage 1 or 2" in said and "gradient_clipping=0.0" in said, said
+
+
+def test_deepspeeds_pipeline_clipped_under_zero_1_equals_the_serial_clipped_run(
+    pipe: list[dict[str, Any]],
+) -> None:
+    for rank, checks in enumerate(pipe):
+        assert checks["stage_id"] == rank // 4  # gpc's pipeline rank (default order: pipeline slowest)
+        assert checks["zero1_check"] == "accepted"
+        assert checks["zero1_worst"] <= 1e-6, (rank, checks)
+        assert checks["zero1_moved"] > 1e-3
+
+
+def test_deepspeeds_pipeline_clipped_in_float32_without_zero_is_refused_and_would_train_wrong(
+    pipe: list[dict[str, Any]],
+) -> None:
+    for rank, checks in enumerate(pipe):
+        said = checks["zero0_check"]
+        assert said.startswith(
+            "DeepSpeed with gradient_clipping=0.05, float32 without ZeRO and pipeline=2"
+        ), said
+        assert "use zero_optimization.stage=1" in said, said
+        # why refused: trained anyway, it equals the serial run clipped by the norm without the
+        # second stage's b2 (DeepSpeed's rule), and not the serial run
+        assert checks["zero0_vs_first_stage_rule"] <= 1e-6, (rank, checks)
+        assert checks["zero0_worst"] > 1e-5, (rank, checks)
+
+
+def test_check_pipe_engine_refuses_an_unmarked_shard_when_clipping(pipe: list[dict[str, Any]]) -> None:
+    for checks in pipe:
+        said = checks["unmarked_check"]
+        assert said.startswith("deepspeed.initialize with gradient_clipping=0.05: parameter '"), said
+        assert "w1' (shape [8, 8]) has no tensor_model_parallel mark" in said, said
+
+
+def test_deepspeeds_process_topology_is_gpcs_layout_for_every_order() -> None:
+    # process-free, against DeepSpeed's own ProcessTopology (tests/test_deepspeed_topology.py
+    # checks the same rule without DeepSpeed): each rank's coordinates and DeepSpeed's groups
+    import itertools
+
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    from parallelctx import ParallelMode
+    from parallelctx.deepspeed import pipe_axes
+    from parallelctx.planning.layout import Layout
+
+    modes = {"pipe": ParallelMode.PIPELINE, "data": ParallelMode.DATA, "model": ParallelMode.TENSOR}
+    for order in ("-".join(p) for p in itertools.permutations(["tp", "pp", "dp"])):
+        for tensor, pipeline, data in ((2, 2, 2), (2, 4, 1), (1, 2, 4), (4, 2, 2), (2, 3, 2)):
+            layout = Layout(tensor * pipeline * data, tensor=tensor, pipeline=pipeline, order=order)
+            topo = ProcessTopology(*pipe_axes(layout))
+            for rank in range(layout.world_size):
+                coord = topo.get_coord(rank)
+                for axis, mode in modes.items():
+                    assert getattr(coord, axis) == layout.local_rank(mode, rank), (order, rank, axis)
+            for axis, mode in modes.items():
+                groups = sorted(sorted(g) for g in topo.get_axis_comm_lists(axis))
+                want = sorted(sorted(int(r) for r in g) for g in layout.group_array(mode))
+                assert groups == want, (order, axis)
