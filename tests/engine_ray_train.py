@@ -1,6 +1,9 @@
 """A Ray Train job on a real local Ray cluster: 4 CPU workers, gpc launched inside the training
-function with tensor=2 (so data=2) on the process group Ray made, the tensor-parallel MLP trained
-with DDP over gpc's data group; every worker writes what it saw, the driver what Ray left.
+function with tensor=2 (so data=2) on the process group Ray made: the tests' TPMLP trained with
+DDP over gpc's data group by hand, then the user's own tensor-parallel model
+(tests/engine_user_model.py) through Ray's ``prepare_model`` and ``prepare_data_loader``
+(guarded: parallelctx.engines.guard), clipped, against the serial clipped run; every worker
+writes what it saw, the driver what Ray left.
 
 Usage: python tests/engine_ray_train.py OUT_DIR
 """
@@ -17,12 +20,43 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 
+def ray_names() -> dict[str, bool]:
+    """Which of the names Ray's ``prepare_model`` / ``prepare_data_loader`` build with are the
+    guard's now (replaced names carry ``__wrapped__``), per Ray module that holds them."""
+    seen = {}
+    for module_name in ("ray.train.torch.train_loop_utils", "ray.train.v2.torch.train_loop_utils"):
+        module = sys.modules.get(module_name)
+        for name in ("DistributedDataParallel", "DistributedSampler", "prepare_model"):
+            if module is not None and hasattr(module, name):
+                seen[f"{module_name}.{name}"] = hasattr(getattr(module, name), "__wrapped__")
+    return seen
+
+
 def train_func(config: dict[str, Any]) -> None:
     """Ray's training function: the code a user writes, gpc launched on Ray's group."""
+    imported_at_start = {
+        m: m in sys.modules for m in ("ray.train.torch", "ray.train.v2.torch.train_loop_utils")
+    }
+    import ray.train.torch
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from engine_models import TPMLP, batches, check_equals_serial, my_share
+    from engine_user_model import (
+        LR,
+        MAX_NORM,
+        MOMENTUM,
+        ROWS,
+        Trace,
+        UserTPMLP,
+        b2_equal_across_tensor,
+        dataset,
+        loader,
+        refused,
+        serial_run,
+        train,
+        worst_vs_serial,
+    )
     from torch.nn.parallel import DistributedDataParallel
 
     import parallelctx
@@ -42,7 +76,7 @@ def train_func(config: dict[str, Any]) -> None:
         F.mse_loss(model(x), y).backward()
         opt.step()
     worst = check_equals_serial({n: p.detach() for n, p in model.module.named_parameters()})
-    record = {
+    record: dict[str, Any] = {
         "rank": gpc.get_global_rank(),
         "tensor": [gpc.tensor.rank, gpc.tensor.size],
         "data": [gpc.data.rank, gpc.data.size],
@@ -50,40 +84,44 @@ def train_func(config: dict[str, Any]) -> None:
         "adopted": adopted,
         "env": env,
         "gpc_local": [gpc.local_rank, gpc.num_processes_on_current_node, gpc.num_nodes],
+        "imported_at_start": imported_at_start,
+        "guarded_names": ray_names(),
+        "data_context_ranks": gpc.get_ranks_in_group(ParallelMode.DATA_CONTEXT),
     }
-    # Ray's own wrappers: prepare_model gets gpc's data group (the same run, equal to serial);
-    # prepare_data_loader's sampler over every worker is refused
-    import ray.train.torch
-
-    from parallelctx.engines import EngineMisuseError
-
-    ray_model = ray.train.torch.prepare_model(TPMLP(), move_to_device=False)
-    ray_opt = torch.optim.SGD(ray_model.parameters(), lr=0.1)
-    for batch in batches(gpc.data.size):
-        x, y = my_share(batch, gpc.data.rank)
-        ray_opt.zero_grad()
-        F.mse_loss(ray_model(x), y).backward()
-        ray_opt.step()
+    # Ray's own wrappers with the user's tensor-parallel model (tests/engine_user_model.py):
+    # prepare_model gets gpc's data group and trains equal to the serial clipped run (Ray has no
+    # clip of its own: parallelctx.clip_grad_norm_); prepare_data_loader's sampler over every
+    # worker is refused, the recipe's own sampler over gpc's data group kept
+    plain = torch.utils.data.DataLoader(dataset(), batch_size=ROWS)
+    record["prepare_data_loader"] = refused(lambda: ray.train.torch.prepare_data_loader(plain))
+    kept = ray.train.torch.prepare_data_loader(loader())
+    record["sampler_kept"] = {"num_replicas": kept.sampler.num_replicas, "rank": kept.sampler.rank}
+    ray_model = ray.train.torch.prepare_model(UserTPMLP())
     record["prepare_model_ddp_ranks"] = dist.get_process_group_ranks(ray_model.process_group)
-    record["prepare_model_worst"] = check_equals_serial(
-        {n: p.detach() for n, p in ray_model.module.named_parameters()}
+    params = list(ray_model.parameters())
+    ray_opt = torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+    trace = Trace()
+    train(
+        ray_model,
+        ray_opt,
+        list(kept),
+        lambda loss: loss.backward(),
+        lambda: parallelctx.clip_grad_norm_(params, MAX_NORM),
+        trace,
     )
-    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
-    try:
-        ray.train.torch.prepare_data_loader(loader)
-        record["prepare_data_loader"] = ""
-    except EngineMisuseError as exc:
-        record["prepare_data_loader"] = str(exc)
-    # the recipe's own sampler (gpc's data rank) passes and is kept
-    from torch.utils.data import DistributedSampler
-
-    mine = DistributedSampler(list(range(8)), num_replicas=gpc.data.size, rank=gpc.data.rank, shuffle=False)
-    kept = ray.train.torch.prepare_data_loader(
-        torch.utils.data.DataLoader(list(range(8)), batch_size=2, sampler=mine), move_to_device=False
+    serial, serial_norms = serial_run(trace)
+    record["norms"], record["serial_norms"] = trace.norms, serial_norms
+    record["prepare_model_worst"] = worst_vs_serial(ray_model, serial)
+    record["b2_equal_across_tensor"] = b2_equal_across_tensor(ray_model)
+    record["world_group"] = refused(
+        lambda: ray.train.torch.prepare_model(
+            UserTPMLP(), parallel_strategy_kwargs={"process_group": dist.group.WORLD}
+        )
     )
-    record["own_sampler_rows"] = [int(v) for b in kept for v in b]
+    record["fsdp"] = refused(lambda: ray.train.torch.prepare_model(UserTPMLP(), parallel_strategy="fsdp"))
     del model, ray_model
     gpc.destroy()
+    record["restored_names"] = ray_names()
     # Ray's group is still there and works: gpc made it not, so gpc does not destroy it
     t = torch.ones(1)
     dist.all_reduce(t)

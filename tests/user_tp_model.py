@@ -1,6 +1,6 @@
 """A tensor-parallel MLP written as model code writes one, for the tests of clipping,
-checkpoints and the engines (tests/test_clip.py, tests/test_engines_shards.py,
-tests/engine_guarded_train.py), with its data and the serial run it must equal.
+checkpoints and DeepSpeed's pipeline (tests/test_clip.py, tests/test_engines_shards.py,
+tests/engine_deepspeed_pipe.py), with its data and the serial run it must equal.
 
 ``relu(x w1ᵀ + b1) w2ᵀ + b2``: w1 and b1 split by rows and w2 by columns over gpc's tensor group
 (marked ``tensor_model_parallel``, as Megatron's layers mark theirs), the partial outputs summed

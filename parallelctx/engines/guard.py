@@ -21,30 +21,52 @@ save / load                rank 0's file only: tensor rank 1      refused, namin
                            resumes from rank 0's shard            :func:`parallelctx.engines.save`
 =========================  =====================================  ===========================
 
-:class:`EngineGuard` replaces those methods on the engines' classes (only the engines already
-imported when gpc launches; the engine made the default group first, so it is) and puts them
-back at ``gpc.destroy()``; for Ray Train it replaces the two names its ``prepare_model`` and
-``prepare_data_loader`` build with (``DistributedDataParallel``, ``DistributedSampler``) in Ray's
-own modules, which covers Train V1 and V2 and names bound before the launch. Each replacement
-reads the context at call time and does what the engine does when the layout has nothing to
-fear (data parallelism alone).
+:class:`EngineGuard` replaces those methods on the engines' classes (the engines imported when
+gpc launches, and an engine imported later while gpc is launched, as its import ends: an
+import watch on ``sys.meta_path``) and puts them back at ``gpc.destroy()``; for Ray Train it
+replaces the two names its ``prepare_model`` and ``prepare_data_loader`` build with
+(``DistributedDataParallel``, ``DistributedSampler``) in Ray's own modules, which covers Train
+V1 and V2 and names bound before the launch. Each replacement reads the context at call time
+and does what the engine does when the layout has nothing to fear (data parallelism alone).
+
+Under model parallelism Fabric's DDP strategy gets gpc's group and its one-device strategy is
+left as it is (it wraps nothing); any other (FSDP, DeepSpeed, ...) is refused at ``setup``.
+Fabric's ``setup_dataloaders`` keeps a loader's own ``DistributedSampler`` (the recipe's) and
+refuses only the loaders it would give its own sampler over every process.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.abc
+import importlib.machinery
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
 from typing import Any
 
 from ..clip import clip_grad_norm_ as whole
 from ..guard.patch import Patches
 from ..planning.layout import ParallelMode
 
-__all__ = ["EngineGuard", "EngineMisuseError"]
+__all__ = ["WATCHED", "EngineGuard", "EngineMisuseError"]
 
 M = ParallelMode
+
+WATCHED = frozenset(
+    {
+        "accelerate",
+        "lightning_fabric",
+        "lightning.fabric",
+        "ray.train.torch",
+        "ray.train.torch.train_loop_utils",
+        "ray.train.v2.torch.train_loop_utils",
+        "deepspeed.runtime.pipe.module",
+        "deepspeed.runtime.pipe.engine",
+    }
+)
+"""The modules whose import (after gpc launched) makes the guard install again."""
 
 DDP_RECIPE = (
     "wrap the model yourself: torch.nn.parallel.DistributedDataParallel(model, "
@@ -86,11 +108,53 @@ def not_data_alone(ctx: Any) -> str:
     return _sizes(ctx, (M.TENSOR, M.PIPELINE, M.CONTEXT))
 
 
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """First on ``sys.meta_path`` while a guard is installed: when a module of :data:`WATCHED`
+    is imported, ``on_import()`` runs as soon as its code has run (the engine's classes exist),
+    so that an engine imported after gpc launched is guarded too. Finds nothing itself: the spec
+    is the one the finders after it give."""
+
+    def __init__(self, on_import: Callable[[], None]) -> None:
+        self._on_import = on_import
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        """The spec the later finders give for ``fullname``, its loader made to call
+        ``on_import()`` after the module ran, for a module of :data:`WATCHED`; None for any other
+        (the import system asks the next finder)."""
+        if fullname not in WATCHED:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        # a file loader is one object per module: its exec_module can be wrapped for this import
+        if isinstance(
+            loader, (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader)
+        ):
+            run = loader.exec_module
+
+            def exec_module(module: ModuleType) -> None:
+                vars(loader).pop("exec_module", None)  # the class's again
+                run(module)
+                self._on_import()
+
+            vars(loader)["exec_module"] = exec_module
+        return spec
+
+
 class EngineGuard:
     """The replaced engine methods of one launch (see the module docstring)."""
 
     def __init__(self) -> None:
         self._patches = Patches()
+        self._watch: _ImportWatch | None = None
 
     def __bool__(self) -> bool:
         """Whether any engine method is replaced now."""
@@ -98,8 +162,11 @@ class EngineGuard:
 
     def install(self, ctx: Any) -> None:
         """Replace the methods of every engine imported now, for ``ctx`` (the parallel context,
-        read at each call); returns None. Idempotent: a second call first puts back the first's."""
-        self.restore()
+        read at each call), and watch the imports: an engine imported later while ``ctx`` is
+        launched is guarded as its import ends. ``ctx.destroy()`` puts everything back
+        (:meth:`restore`, added as its hook). Idempotent: a second call first puts back the
+        first's methods. Returns None."""
+        self._patches.restore()
         if "accelerate" in sys.modules:
             self._accelerate(ctx)
         for name in ("lightning_fabric", "lightning.fabric"):
@@ -109,9 +176,25 @@ class EngineGuard:
             self._ray(ctx)
         if "deepspeed.runtime.pipe.module" in sys.modules:
             self._deepspeed(ctx)
+        if self._watch is None:
+
+            def on_import() -> None:
+                if ctx.is_initialized(M.GLOBAL):
+                    self.install(ctx)
+
+            self._watch = _ImportWatch(on_import)
+            sys.meta_path.insert(0, self._watch)
+            # guard_engines adds the same hook (kept once) and, for a guard that replaced
+            # something at the launch, a fresh guard after a reform; this one only watched
+            again = None if self._patches else functools.partial(self.install, ctx)
+            ctx.add_destroy_hook(self.restore, on_reform=again)
 
     def restore(self) -> None:
-        """Put every replaced method back; returns None."""
+        """Put every replaced method back and stop watching the imports; returns None."""
+        if self._watch is not None:
+            with contextlib.suppress(ValueError):
+                sys.meta_path.remove(self._watch)
+            self._watch = None
         self._patches.restore()
 
     # ------------------------------------------------------------------ helpers
@@ -145,20 +228,25 @@ class EngineGuard:
         from accelerate.utils import DistributedType
 
         wrapper = "it wraps the model in DDP over every process, whose first broadcast gives every rank rank 0's shard"
+        # the engines that measure the norm themselves (DeepSpeed through gpc's mpu); every other
+        # type (one process, DDP on any device) clips by torch's norm of this rank's shard
+        own_clip = {
+            getattr(DistributedType, n)
+            for n in ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM")
+            if hasattr(DistributedType, n)
+        }
 
         def make_model(original: Callable[..., Any]) -> Callable[..., Any]:
-            def prepare_model(
-                self: Any, model: Any, device_placement: Any = None, evaluation_mode: bool = False
-            ) -> Any:
+            def prepare_model(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+                # (model, device_placement=None, evaluation_mode=False)
+                evaluation_mode = kwargs.get("evaluation_mode", args[1] if len(args) > 1 else False)
                 sizes = model_parallel(ctx)
                 if sizes and not evaluation_mode:
                     raise EngineMisuseError(
                         f"Accelerator.prepare(model) under gpc's {sizes}: {wrapper}; {DDP_RECIPE}, and pass "
                         "accelerator.prepare only the optimizer, scheduler and dataloaders"
                     )
-                return original(
-                    self, model, device_placement=device_placement, evaluation_mode=evaluation_mode
-                )
+                return original(self, model, *args, **kwargs)
 
             return prepare_model
 
@@ -174,8 +262,7 @@ class EngineGuard:
 
         def make_clip(original: Callable[..., Any]) -> Callable[..., Any]:
             def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
-                plain = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
-                if not model_parallel(ctx) or self.distributed_type not in plain:
+                if not model_parallel(ctx) or self.distributed_type in own_clip:
                     return original(self, parameters, max_norm, norm_type)
                 self.unscale_gradients()
                 return whole(list(parameters), max_norm, norm_type)
@@ -192,15 +279,30 @@ class EngineGuard:
         fabric = module.Fabric
         strategies = sys.modules.get(module.__name__ + ".strategies")
         ddp = getattr(strategies, "DDPStrategy", None)
+        # Fabric's DeepSpeedStrategy is a DDPStrategy that neither builds torch's DDP nor clips
+        not_ddp = tuple(c for c in (getattr(strategies, "DeepSpeedStrategy", None),) if c is not None)
+        single = getattr(strategies, "SingleDeviceStrategy", None)
+
+        def plain_ddp(strategy: Any) -> bool:
+            return ddp is not None and isinstance(strategy, ddp) and not isinstance(strategy, not_ddp)
+
+        def plain_grads(strategy: Any) -> bool:
+            """Whether each rank holds its own gradients as plain tensors (DDP, one device):
+            torch's clip then measures this rank's shard."""
+            return plain_ddp(strategy) or (single is not None and isinstance(strategy, single))
 
         @contextlib.contextmanager
         def data_group(strategy: Any) -> Iterator[None]:
-            """DDP over gpc's data × context group for the body, where Fabric's strategy is DDP."""
+            """DDP over gpc's data × context group for the body, where Fabric's strategy is DDP;
+            one device's strategy left as it is (it wraps nothing); any other refused."""
             sizes = model_parallel(ctx)
             if not sizes:
                 yield
                 return
-            if ddp is None or not isinstance(strategy, ddp):
+            if single is not None and isinstance(strategy, single):
+                yield  # no wrapper: the module stays this rank's
+                return
+            if not plain_ddp(strategy):
                 raise EngineMisuseError(
                     f"Fabric.setup under gpc's {sizes} with the {type(strategy).__name__}: parallelctx makes "
                     f"only Fabric's DDP strategy use gpc's data group; use strategy='ddp', or {DDP_RECIPE}"
@@ -241,10 +343,19 @@ class EngineGuard:
                 self: Any, *loaders: Any, use_distributed_sampler: bool = True, **kwargs: Any
             ) -> Any:
                 sizes = not_data_alone(ctx)
-                if sizes and use_distributed_sampler:
+                # Fabric keeps a loader's own DistributedSampler; it replaces any other sampler
+                from torch.utils.data import DistributedSampler
+
+                replaced = [
+                    i
+                    for i, dl in enumerate(loaders)
+                    if not isinstance(getattr(dl, "sampler", None), DistributedSampler)
+                ]
+                if sizes and use_distributed_sampler and replaced:
                     raise EngineMisuseError(
-                        f"Fabric.setup_dataloaders() under gpc's {sizes}: its sampler shards the rows over every "
-                        f"process; {SAMPLER_RECIPE}, and pass use_distributed_sampler=False"
+                        f"Fabric.setup_dataloaders() under gpc's {sizes}: the DataLoader at position {replaced} "
+                        "has no DistributedSampler, and Fabric's sampler would shard its rows over every process; "
+                        f"{SAMPLER_RECIPE} (Fabric keeps it), or pass use_distributed_sampler=False"
                     )
                 return original(self, *loaders, use_distributed_sampler=use_distributed_sampler, **kwargs)
 
@@ -262,8 +373,12 @@ class EngineGuard:
                 norm_type: float = 2.0,
                 error_if_nonfinite: bool = True,
             ) -> Any:
-                plain = ddp is not None and isinstance(self.strategy, ddp)
-                if max_norm is None or clip_val is not None or not model_parallel(ctx) or not plain:
+                if (
+                    max_norm is None
+                    or clip_val is not None
+                    or not model_parallel(ctx)
+                    or not plain_grads(self.strategy)
+                ):
                     return original(
                         self, module, optimizer, clip_val, max_norm, norm_type, error_if_nonfinite
                     )
@@ -283,7 +398,9 @@ class EngineGuard:
     def _deepspeed(self, ctx: Any) -> None:
         """DeepSpeed's ``PipelineModule`` builds its own topology (and refuses ``mpu=``): one that
         places the ranks elsewhere than gpc's layout is refused when it is built
-        (:func:`parallelctx.deepspeed.check_pipe_topology`)."""
+        (:func:`parallelctx.deepspeed.check_pipe_topology`), and the ``PipelineEngine``
+        ``deepspeed.initialize`` builds for it is checked as it is built
+        (:func:`parallelctx.deepspeed.check_pipe_engine`: marks, DeepSpeed's stage norm)."""
         from deepspeed.runtime.pipe.module import PipelineModule
 
         from ..deepspeed import check_pipe_topology
@@ -303,6 +420,18 @@ class EngineGuard:
             return __init__
 
         self._wrap(PipelineModule, "__init__", make)
+        engines = sys.modules.get("deepspeed.runtime.pipe.engine")
+        if engines is not None:
+            from ..deepspeed import check_pipe_engine
+
+            def make_engine(original: Callable[..., Any]) -> Callable[..., Any]:
+                def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+                    original(self, *args, **kwargs)
+                    check_pipe_engine(self, ctx)  # a PipelineModule's engine never asks gpc's mpu
+
+                return __init__
+
+            self._wrap(engines.PipelineEngine, "__init__", make_engine)
 
     # ------------------------------------------------------------------ Ray Train
     def _ray(self, ctx: Any) -> None:
