@@ -140,7 +140,7 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
             what would).
         ReformError: the ranks that stay do not agree, or one did not come within ``timeout``
             (default: twice the launch's ``dist.timeout``, since a rank the abort did not reach
-            comes only when its own collective times out).
+            comes only when its own collective times out; the new launch has the same timeout).
     """
     config, layout, url = launched.config, launched.layout, meetings.url
     if (
@@ -168,10 +168,9 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
         )
     # A survivor that the abort never reached (gloo's send on a pair the peers' abort did not
     # close) learns of the loss only when its own collective times out, dist.timeout after the
-    # others came; so by default the others wait twice that for it. The new launch keeps the
-    # launch's own timeout.
-    launch_wait = launched.timeout or DEFAULT_TIMEOUT
-    wait = to_timedelta(timeout) if timeout is not None else 2 * launch_wait
+    # others came, and its teardown can wait as long: by default the others wait twice that for
+    # it, in the agreement and in the new launch (whose groups then have that timeout too).
+    wait = to_timedelta(timeout) if timeout is not None else 2 * (launched.timeout or DEFAULT_TIMEOUT)
     agree_exclusion(meetings.plain(launched.store), rank, gone, shrunk.survivors, wait)
     smaller = config.to_dict()
     smaller["parallel"]["data"] = {"replicate": shrunk.replicate}
@@ -183,6 +182,6 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
         world_size=size,
         init_method=url,
         local_rank=launched.local_rank,
-        timeout=to_timedelta(timeout) if timeout is not None else launch_wait,
+        timeout=wait,
     )
     return ReformPlan(Reformed(rank, new, shrunk.leaving, size), smaller, args)
