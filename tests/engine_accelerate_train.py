@@ -42,6 +42,7 @@ from engine_user_model import (
     Trace,
     UserTPMLP,
     b2_equal_across_tensor,
+    compare_with_serial,
     loader,
     refused,
     serial_run,
@@ -101,14 +102,7 @@ def user_model(accelerator: Accelerator, out: Path, record: dict[str, Any]) -> N
     torch.save(gpc.get_rng_state(), out / f"rng-{gpc.get_global_rank()}.pt")
     train(model, opt, steps[SAVED_AT:], accelerator.backward, clip, trace)
 
-    serial, serial_norms = serial_run(trace)
-    record["norms"], record["serial_norms"], record["shard_norms"] = (
-        trace.norms,
-        serial_norms,
-        trace.shard_norms,
-    )
-    record["worst_vs_serial"] = worst_vs_serial(model, serial)
-    record["b2_equal_across_tensor"] = b2_equal_across_tensor(model)
+    record.update(compare_with_serial(model, trace))
 
     fresh, fresh_opt = build(accelerator, seed=7)  # other weights until loaded
     parallelctx.engines.load(out / "ckpt", fresh, fresh_opt)

@@ -48,6 +48,7 @@ from engine_user_model import (
     Trace,
     UserTPMLP,
     b2_equal_across_tensor,
+    compare_with_serial,
     dataset,
     loader,
     refused,
@@ -144,14 +145,7 @@ def user_model(fabric: Fabric, out: Path, record: dict[str, Any]) -> None:
         trace,
     )
 
-    serial, serial_norms = serial_run(trace)
-    record["norms"], record["serial_norms"], record["shard_norms"] = (
-        trace.norms,
-        serial_norms,
-        trace.shard_norms,
-    )
-    record["worst_vs_serial"] = worst_vs_serial(model, serial)
-    record["b2_equal_across_tensor"] = b2_equal_across_tensor(model)
+    record.update(compare_with_serial(model, trace))
 
     fresh, fresh_opt = build(7)  # other weights until loaded
     parallelctx.engines.load(out / "ckpt", fresh, fresh_opt)

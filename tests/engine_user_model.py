@@ -266,3 +266,17 @@ def refused(call: Any) -> str:
     except EngineMisuseError as exc:
         return str(exc)
     return ""
+
+
+def compare_with_serial(model: nn.Module, trace: Trace) -> dict[str, Any]:
+    """What a clipped run recorded in ``trace`` says against the serial run of the same steps:
+    the norms (the engine's, the serial run's, each rank's shard's), the largest difference of
+    this rank's weights from the serial run's, and whether b2 is equal across the tensor group."""
+    serial, serial_norms = serial_run(trace)
+    return {
+        "norms": trace.norms,
+        "serial_norms": serial_norms,
+        "shard_norms": trace.shard_norms,
+        "worst_vs_serial": worst_vs_serial(model, serial),
+        "b2_equal_across_tensor": b2_equal_across_tensor(model),
+    }
