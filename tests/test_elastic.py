@@ -168,7 +168,11 @@ def test_torch_alone_fails_after_the_restart(tmp_path: Path) -> None:
     assert all(row["launched"] for row in found[0].values()), found[0]
     failed = [row for row in found.get(1, {}).values() if not row["launched"]]
     assert failed, found.get(1)
-    assert any("Gloo connectFullMesh failed" in row["error"] for row in failed), failed
+    # A restarted rank that reads attempt 0's addresses fails to connect ("connectFullMesh
+    # failed"); under load a rank can instead connect to the ranks whose keys were fresh and wait
+    # out dist.timeout in the first all-reduce for a peer that went away (CI saw that shape).
+    shapes = ("Gloo connectFullMesh failed", "Timed out waiting")
+    assert all(any(shape in row["error"] for shape in shapes) for row in failed), failed
 
 
 @pytest.mark.timeout(300)
