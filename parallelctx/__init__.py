@@ -63,6 +63,8 @@ _LAZY = {
     "launch_from_openmpi": "launch",
     "launch_from_slurm": "launch",
     "launch_from_torch": "launch",
+    "LocalRankError": "local",
+    "run_local": "local",
     "REPLICA": "runtime.seed",
     "ReformError": "runtime.reform",
     "Reformed": "runtime.reform",
@@ -160,6 +162,7 @@ __all__ = [
     "LaunchEnvError",
     "Layout",
     "LayoutError",
+    "LocalRankError",
     "MeshError",
     "ModeView",
     "NotLaunchedError",
@@ -182,5 +185,6 @@ __all__ = [
     "load_config",
     "plan",
     "rng_context_fn",
+    "run_local",
     "spawn",
 ]

@@ -1,6 +1,8 @@
 """The tensor-parallel MLP of tp_mlp.py equals the serial model, forward and gradients, with
 dropout on, for tensor 1, 2, 4 and a 2-stage pipeline: one pytest test per layout, run on 4
-ranks by parallelctx's pytest plugin."""
+ranks by parallelctx's pytest plugin; and on 64 ranks (tensor 8; tensor 4 x pipeline 4; tensor 2
+x pipeline 2 x context 2), every rank a thread of the test's process (``local=True``). Float64,
+to 1e-12 (relative and absolute: the serial sums go in another order)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,21 @@ def _serial_params(block: int) -> list[torch.Tensor]:
 
 @pytest.mark.parallel(world_size=4, layouts=LAYOUTS)
 def test_forward_and_gradients_equal_the_serial_model() -> None:
+    _check_against_the_serial_model()
+
+
+# The same check on 64 ranks, every rank a thread of this process (parallelctx.run_local): the
+# numbers are the real ranks' (docs/testing.md), at a size no pool of processes reaches here.
+@pytest.mark.parallel(
+    world_size=64,
+    layouts=[dict(tensor=8), dict(tensor=4, pipeline=4), dict(tensor=2, pipeline=2, context=2)],
+    local=True,
+)
+def test_forward_and_gradients_equal_the_serial_model_on_64_ranks() -> None:
+    _check_against_the_serial_model()
+
+
+def _check_against_the_serial_model() -> None:
     stage = gpc.get_local_rank(ParallelMode.PIPELINE)
     stages = gpc.get_world_size(ParallelMode.PIPELINE)
     block = ParallelMLP(*_serial_params(stage), p=P)
@@ -53,15 +70,15 @@ def test_forward_and_gradients_equal_the_serial_model() -> None:
     out.backward(grad_out)
 
     if gpc.is_pipeline_last_stage():
-        torch.testing.assert_close(y, out.detach(), rtol=0, atol=1e-12)
+        torch.testing.assert_close(y, out.detach(), rtol=1e-12, atol=1e-12)
     if gpc.is_pipeline_first_stage():
-        torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-12)
+        torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
     w1, b1, w2, b2 = params[stage]
     part = block.part
-    torch.testing.assert_close(block.w1.grad, w1.grad[part], rtol=0, atol=1e-12)
-    torch.testing.assert_close(block.b1.grad, b1.grad[part], rtol=0, atol=1e-12)
-    torch.testing.assert_close(block.w2.grad, w2.grad[:, part], rtol=0, atol=1e-12)
-    torch.testing.assert_close(block.b2.grad, b2.grad, rtol=0, atol=1e-12)
+    torch.testing.assert_close(block.w1.grad, w1.grad[part], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.b1.grad, b1.grad[part], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.w2.grad, w2.grad[:, part], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block.b2.grad, b2.grad, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parallel(world_size=4, tensor=2)

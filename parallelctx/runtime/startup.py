@@ -72,7 +72,7 @@ ALREADY_LAUNCHED = (
 )
 """What a second launch in the same process raises (a RuntimeError)."""
 
-CPU_BACKENDS = frozenset({"gloo", "mpi", "fake"})
+CPU_BACKENDS = frozenset({"gloo", "mpi", "fake", "local"})
 """Backends whose groups also serve as the CPU groups (no gloo twin is made)."""
 
 

@@ -31,7 +31,7 @@ __all__ = [
 #: Name of the pseudo-argument that carries one entry of ``layouts=`` (one test id per layout).
 LAYOUT_ARG = "parallel_layout"
 PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "expert_tensor", "order", "data")
-MARKER_KEYS = ("world_size", *PARALLEL_KEYS, "config", "timeout", "layouts", "simulate", "ranks")
+MARKER_KEYS = ("world_size", *PARALLEL_KEYS, "config", "timeout", "layouts", "simulate", "ranks", "local")
 #: Pool processes that play the ranks of a ``simulate=True`` test, a batch at a time.
 SIMULATE_POOL_SIZE = 4
 DEFAULT_TIMEOUT_S = 180.0
@@ -155,6 +155,7 @@ def resolve_marker(
     merged.pop("layouts", None)
     merged.pop("simulate", None)  # read by simulated_ranks
     merged.pop("ranks", None)
+    merged.pop("local", None)  # read by pytest_pyfunc_call
     if layout:
         bad = sorted(set(layout) - {"world_size", *PARALLEL_KEYS})
         if bad:
@@ -217,6 +218,11 @@ def simulated_ranks(
     from parallelctx.config import Config
     from parallelctx.planning.covering import covering_ranks
 
+    if kwargs.get("simulate") and kwargs.get("local"):
+        raise MarkerError(
+            "@pytest.mark.parallel takes simulate=True (dry runs on the fake backend: the layout at any "
+            "scale, no numbers) or local=True (every rank as a thread: the numbers), not both"
+        )
     if not kwargs.get("simulate"):
         if "ranks" in kwargs:
             raise MarkerError(
@@ -322,8 +328,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "parallel(world_size, tensor=, pipeline=, context=, expert=, expert_tensor=, order=, config=, "
         "timeout=, "
-        "layouts=, simulate=, ranks=): run the test on world_size ranks with parallelctx's gpc launched "
-        "(simulate=True: as the given ranks of world_size in dry runs; docs/testing.md)",
+        "layouts=, simulate=, ranks=, local=): run the test on world_size ranks with parallelctx's gpc launched "
+        "(simulate=True: as the given ranks of world_size in dry runs; local=True: every rank as a "
+        "thread of this process, with real numbers; docs/testing.md)",
     )
     from .rank import RANK_PLUGIN_NAME
 
@@ -435,6 +442,12 @@ def _timeout_of(item: pytest.Item) -> float:
     return float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else default
 
 
+def _is_local(item: pytest.Item) -> bool:
+    """Whether a test is marked ``local=True`` (run here, as threads)."""
+    marker = item.get_closest_marker("parallel")
+    return marker is not None and bool(marker.kwargs.get("local"))
+
+
 def _world_size_of(item: pytest.Item) -> int | None:
     """The world size a marked test runs on (None when its marker is bad: the test reports that)."""
     marker = item.get_closest_marker("parallel")
@@ -461,6 +474,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(_timeout_of(item) + PYTEST_TIMEOUT_MARGIN_S), append=False)
     if config.stash.get(_ON_RANK, False):
         return
+    # a local=True test runs here, fixtures and all, as threads: it needs no pool
+    marked = [item for item in marked if not _is_local(item)]
     for item in marked:
         if isinstance(item, pytest.Function):
             item.fixturenames = []
@@ -500,8 +515,8 @@ def _test_folder(item: pytest.Function) -> Path:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    """Run a marked test on its pool instead of in this process; leave other tests alone (and
-    on a rank, run it here)."""
+    """Run a marked test on its pool instead of in this process (a ``local=True`` one here, as
+    threads); leave other tests alone (and on a rank, run it here)."""
     marker = pyfuncitem.get_closest_marker("parallel")
     if marker is None or pyfuncitem.config.stash.get(_ON_RANK, False):
         return None
@@ -530,6 +545,9 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         pytest.fail(str(exc), pytrace=False)
     if simulated is not None:
         _run_simulated(pyfuncitem, world_size, simulated, config, timeout, layout)
+        return True
+    if marker.kwargs.get("local"):
+        _run_local(pyfuncitem, world_size, config, timeout)
         return True
     pools: PoolSet = pyfuncitem.config.stash[_POOLS]
     from .pool import PoolError
@@ -584,6 +602,18 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     _add_output(pyfuncitem, outcome)
     raise_for(outcome, timeout, layout_id(layout) if layout else None)
     return True
+
+
+def _run_local(item: pytest.Function, world_size: int, config: dict[str, Any], timeout: float) -> None:
+    """Run a ``local=True`` test as every rank of ``world_size``, threads of this process
+    (:func:`parallelctx.local.run_local`), with the fixtures' values this process made."""
+    from parallelctx.local import LocalRankError, run_local
+
+    args = {name: item.funcargs[name] for name in item._fixtureinfo.argnames if name != LAYOUT_ARG}
+    try:
+        run_local(lambda: item.obj(**args), world_size, config, timeout=timeout)
+    except LocalRankError as exc:  # it names the ranks and holds the first one's traceback
+        pytest.fail(str(exc), pytrace=False)
 
 
 def _run_simulated(

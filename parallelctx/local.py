@@ -1,0 +1,161 @@
+"""Run gpc model code as every rank of a layout in one process, with the real job's numbers.
+
+``run_local(fn, world_size=64, tensor=8, pipeline=4)`` starts one thread per rank
+(:mod:`parallelctx.runtime.local`), launches ``gpc`` in each for its rank (the InternLM steps
+on the in-process ``"local"`` backend: config, default group, groups, processes per node,
+seeds) and calls ``fn()`` there; ``gpc``, ``torch.distributed`` and the default generators
+answer per rank. One rank runs at a time, so the cost is the sum of the ranks' work, and memory
+the sum of the ranks' tensors. docs/testing.md compares it with real ranks and the dry run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from .config import Config, load_config
+from .context import gpc
+from .runtime.local import BACKEND, LocalDeadlock, LocalWorld, RankThread, register_backend
+
+__all__ = ["LocalRankError", "run_local"]
+
+DEFAULT_TIMEOUT_S = 600.0
+SHOWN = 8  # ranks named with their error; the others by number
+
+
+class LocalRankError(AssertionError):
+    """Simulated ranks raised: the message names each (its place in the layout) and its error;
+    the first rank's exception is the cause (``__cause__``)."""
+
+
+def _with_sizes(config: Config | Mapping[str, Any] | str | Path | None, sizes: Mapping[str, Any]) -> Config:
+    cfg = load_config(config)
+    if not sizes:
+        return cfg
+    data = cfg.to_dict()
+    data.setdefault("parallel", {}).update(sizes)
+    return Config(data)
+
+
+@contextlib.contextmanager
+def _thread_worlds() -> Iterator[None]:
+    """torch.distributed's state per thread while the body runs (torch's ``ThreadLocalWorld``
+    and its thread-isolated group registry, as torch's threaded tests use them)."""
+    from torch.testing._internal.distributed.multi_threaded_pg import ThreadLocalWorld
+
+    register_backend()
+    saved, hook = c10d._world, sys.excepthook  # each rank's init_process_group wraps the hook
+    c10d._world = ThreadLocalWorld()  # type: ignore[assignment]  # as torch's own threaded tests
+    isolate: Any = torch._C._distributed_c10d._set_thread_isolation_mode  # type: ignore[attr-defined]
+    isolate(True)
+    try:
+        with torch.autograd.set_multithreading_enabled(False):
+            yield
+    finally:
+        isolate(False)
+        c10d._world, sys.excepthook = saved, hook
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    config: Config | Mapping[str, Any] | str | Path | None = None,
+    *,
+    args: tuple[Any, ...] = (),
+    timeout: float = DEFAULT_TIMEOUT_S,
+    **sizes: Any,
+) -> list[Any]:
+    """Run ``fn(*args)`` as every rank of a ``world_size``-rank job in this process, ``gpc``
+    launched on each for ``config`` with the parallel ``sizes`` over it (``tensor=8``,
+    ``pipeline=4``, ``order="tp-dp-pp"``, ...).
+
+    Returns:
+        Each rank's return value, by rank.
+
+    Raises:
+        LocalRankError: ranks raised (named with their place, e.g. "rank 5 (pipeline stage 1,
+            tensor rank 1)"), waited where the real job would hang (named with what each waited
+            for, on which group), or did not finish within ``timeout`` seconds.
+        RuntimeError: gpc is launched in this process, or a local world already runs.
+        ValueError: a bad config or sizes (ConfigError, LayoutError, ValidationError).
+    """
+    cfg = _with_sizes(config, sizes)
+    layout = cfg.parallel.to_layout(world_size)  # LayoutError before any thread
+    world = LocalWorld(world_size)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, tuple[BaseException, str]] = {}
+
+    def rank_body(rank: int, bind: Callable[[], Any]) -> None:
+        ctx = bind()
+        failed: BaseException | None = None
+        try:
+            world.enter(rank)
+            dist.init_process_group(BACKEND, rank=rank, world_size=world_size, store=world.store)
+            ctx.load_config(cfg)
+            ctx.init_global_dist(rank, world_size)
+            ctx.init_parallel_groups()
+            ctx.detect_num_processes_on_current_node()
+            ctx.set_seed()
+            results[rank] = fn(*args)
+        except BaseException as exc:
+            failed = exc
+            errors[rank] = (exc, traceback.format_exc())
+        finally:
+            with contextlib.suppress(BaseException):
+                ctx.destroy()
+            with contextlib.suppress(BaseException):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            world.leave(rank, failed)
+
+    begin = time.monotonic()
+    with gpc.per_thread() as bind, _thread_worlds():
+        threads = [RankThread(world, r, functools.partial(rank_body, r, bind)) for r in range(world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, timeout - (time.monotonic() - begin)))
+        late = [t.rank for t in threads if t.is_alive()]
+    if late:
+        raise LocalRankError(
+            f"ranks {late} of the local world did not finish within {timeout:g} s (a rank that "
+            "never reaches a collective keeps the others waiting); their threads are left running"
+        )
+    if errors:
+        raise _failure(errors, layout)
+    return results
+
+
+def _failure(errors: dict[int, tuple[BaseException, str]], layout: Any) -> LocalRankError:
+    """One error naming every rank that raised, the ranks that raised first before the ranks
+    left waiting for them."""
+    first = {r: e for r, e in errors.items() if not isinstance(e[0], LocalDeadlock)}
+    order = sorted(first) + sorted(set(errors) - set(first))
+    lines = []
+    for r in order[:SHOWN]:
+        exc, _ = errors[r]
+        where = layout.where(r)
+        lines.append(f"rank {r}{f' ({where})' if where else ''}: {type(exc).__name__}: {_first_line(exc)}")
+    if len(order) > SHOWN:
+        lines.append(f"... and ranks {order[SHOWN:]}")
+    lead = order[0]
+    text = f"{len(errors)} of {layout.world_size} simulated ranks failed:\n" + "\n".join(lines)
+    text += f"\n--- rank {lead}'s traceback ---\n{errors[lead][1]}"
+    err = LocalRankError(text)
+    err.__cause__ = errors[lead][0]
+    return err
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else ""
