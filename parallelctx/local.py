@@ -111,11 +111,12 @@ def run_local(
             failed = exc
             errors[rank] = (exc, traceback.format_exc())
         finally:
-            with contextlib.suppress(BaseException):
-                ctx.destroy()
-            with contextlib.suppress(BaseException):
-                if dist.is_initialized():
-                    dist.destroy_process_group()
+            if not world.abandoned:  # else torch's world is the process's again: touch nothing
+                with contextlib.suppress(BaseException):
+                    ctx.destroy()
+                with contextlib.suppress(BaseException):
+                    if dist.is_initialized():
+                        dist.destroy_process_group()
             world.leave(rank, failed)
 
     begin = time.monotonic()
@@ -126,10 +127,14 @@ def run_local(
         for t in threads:
             t.join(max(0.0, timeout - (time.monotonic() - begin)))
         late = [t.rank for t in threads if t.is_alive()]
+        if late:
+            seen = world.running()
+            world.abandon(f"the local world was given up after {timeout:g} s")
     if late:
         raise LocalRankError(
-            f"ranks {late} of the local world did not finish within {timeout:g} s (a rank that "
-            "never reaches a collective keeps the others waiting); their threads are left running"
+            f"the local world did not finish within {timeout:g} s ({len(late)} ranks left): {seen}; "
+            "a rank that never reaches a collective keeps the others waiting. Threads still running "
+            "are left to finish and then stop"
         )
     if errors:
         raise _failure(errors, layout)

@@ -33,6 +33,7 @@ Not covered, refused or left as Megatron leaves them by default: see docs/migrat
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 try:
@@ -47,6 +48,7 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
 
 from ..context import NotLaunchedError, gpc
 from ..planning.layout import Layout
+from ..runtime.local import RankThread
 from . import release as _release
 from .options import Options, parse_options
 from .release import (
@@ -89,8 +91,9 @@ def check_megatron_version() -> Release:
 
 # The installed state: set by install(), cleared by uninstall().
 _state: Installed | None = None
-# Collections process_groups() made since launch, by the options that shape them.
-_collections: dict[Options, tuple[Any, Installed]] = {}
+# Collections process_groups() made since launch, by the rank (a local world's ranks share this
+# module) and the options that shape them.
+_collections: dict[tuple[int, Options], tuple[Any, Installed]] = {}
 
 
 def is_installed() -> bool:
@@ -149,7 +152,9 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
         NotLaunchedError: gpc is not launched.
         RuntimeError: already installed (call :func:`uninstall` first), or Megatron's own
             ``initialize_model_parallel`` has filled ``parallel_state`` (call
-            ``parallel_state.destroy_model_parallel()`` first).
+            ``parallel_state.destroy_model_parallel()`` first), or called in a local world
+            (:func:`parallelctx.run_local`, where the globals cannot be per rank: use
+            :func:`process_groups`).
         TypeError: an option ``initialize_model_parallel`` does not have.
         ValueError: an option that is refused or contradicts gpc's launch (the message names
             it), e.g. ``virtual_pipeline_model_parallel_size`` with a pipeline of size 1 (Megatron
@@ -158,6 +163,13 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
     """
     global _state
     layout = _require_launched("install()")
+    if isinstance(threading.current_thread(), RankThread):
+        raise RuntimeError(
+            "parallelctx.megatron.install() sets megatron.core.parallel_state's globals, one set per "
+            "process; in a local world (parallelctx.run_local) the ranks are threads of one process and "
+            "every rank would read the last rank's groups. Pass the groups explicitly instead: "
+            "pg_collection=parallelctx.megatron.process_groups() (or tp_group=..., as Megatron's layers take)"
+        )
     if _state is not None:
         raise RuntimeError(
             "parallelctx.megatron is already installed; call parallelctx.megatron.uninstall() (or gpc.destroy()) "
@@ -216,9 +228,10 @@ def process_groups(**options: Any) -> Any:
     release = _release.check()
     _require_gtp(layout, release)
     opts = parse_options(layout, options, release)
-    key = Options(hierarchical_cp=opts.hierarchical_cp, gtp=opts.gtp, egtp=opts.egtp)
+    shape = Options(hierarchical_cp=opts.hierarchical_cp, gtp=opts.gtp, egtp=opts.egtp)
+    key = (gpc.get_global_rank(), shape)
     if key not in _collections:
-        state, found = _build(layout, key)
+        state, found = _build(layout, shape)
         fields = {
             f: (None if g is None else found[g]) for f, g in COLLECTION_FIELDS.items() if f in release.fields
         }
@@ -250,6 +263,7 @@ def uninstall() -> bool:
 
 def _on_destroy() -> None:
     uninstall()
-    for _, state in _collections.values():
+    rank = gpc.get_global_rank()
+    for key in [k for k in _collections if k[0] == rank]:
+        _, state = _collections.pop(key)
         state.maker.destroy(state.created)
-    _collections.clear()

@@ -57,6 +57,7 @@ _Work: Any = dist.Work
 
 BACKEND = "local"
 """The name of the in-process backend."""
+SHOWN = 8  # waiting ranks named in a report
 
 _REDUCE: dict[Any, Callable[[torch.Tensor], torch.Tensor]] = {
     dist.ReduceOp.SUM: lambda s: s.sum(dim=0),
@@ -202,6 +203,7 @@ class LocalWorld:
         self._mail: dict[tuple[int, int, int], deque[torch.Tensor]] = {}
         self._posted: dict[tuple[int, int, int], deque[_Recv]] = {}
         self.finished: dict[int, BaseException | None] = {}
+        self.abandoned = False
 
     # ------------------------------------------------------------------ the baton
     def enter(self, rank: int) -> None:
@@ -236,6 +238,8 @@ class LocalWorld:
             LocalDeadlock: no rank can run any more while this one waits.
         """
         with self._lock:
+            if self.abandoned:
+                raise LocalDeadlock(self._failure or "the local world was given up")
             if ready():
                 return
             self._state[rank] = "waiting"
@@ -243,6 +247,14 @@ class LocalWorld:
             self._rng[rank] = _take_rng()
             self._pass(rank)
         self._await(rank)
+
+    def running(self) -> str:
+        """Say which rank holds the baton and what the waiting ranks wait for."""
+        with self._lock:
+            holder = "no rank runs" if self._holder is None else f"rank {self._holder} runs"
+            waits = [f"rank {r} waits for {w}" for r, w in sorted(self._waits.items())[:SHOWN]]
+            more = len(self._waits) - len(waits)
+            return "; ".join([holder, *waits] + ([f"{more} more ranks wait"] if more > 0 else []))
 
     def wake(self, rank: int) -> None:
         """Make a waiting rank ready to run again (caller holds the world's lock)."""
@@ -279,7 +291,9 @@ class LocalWorld:
         if not stuck or any(s == "new" for s in self._state):
             return
         raised = {r: e for r, e in self.finished.items() if e is not None}
-        lines = [f"rank {r} waits for {self._waits[r]}" for r in stuck]
+        lines = [f"rank {r} waits for {self._waits[r]}" for r in stuck[:SHOWN]]
+        if len(stuck) > SHOWN:
+            lines.append(f"ranks {_ranges(stuck[SHOWN:])} wait too")
         done = sorted(r for r, s in enumerate(self._state) if s == "done")
         if raised:
             lines.append(
@@ -290,6 +304,16 @@ class LocalWorld:
         self._failure = "no simulated rank can run: the real job would hang here; " + "; ".join(lines)
         for r in stuck:
             self._turn[r].set()
+
+    def abandon(self, why: str) -> None:
+        """Give the world up (the runner stopped waiting for it): every waiting rank raises
+        :class:`LocalDeadlock` with ``why``, and so does every later wait. Returns None."""
+        with self._lock:
+            self.abandoned = True
+            self._failure = why
+            self._holder = None
+            for turn in self._turn:
+                turn.set()
 
     # ------------------------------------------------------------------ groups
     def channel(self, name: str, members: tuple[int, ...]) -> _Channel:

@@ -1,0 +1,422 @@
+"""Local worlds (issue 36): every rank of a layout as a thread of one process, with the numbers
+the real ranks compute. Groups are proved by collectives against the pure layout; draws are
+checked against the documented seed formula (what a real rank's generators give); the model
+tests compare with serial references; the slow tests compare with real torchrun processes bit
+for bit."""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import parallelctx
+from parallelctx import ParallelMode, gpc, plan
+from parallelctx.local import LocalRankError, run_local
+from parallelctx.runtime.seed import mode_seed
+from parallelctx.testing import gather_across
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "tp_mlp"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import local_traps  # noqa: E402
+from tp_mlp import ParallelMLP, serial_mlp  # noqa: E402
+
+M = ParallelMode
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------ groups and queries
+def test_every_group_at_64_ranks_is_proved_by_a_collective() -> None:
+    modes = [M.TENSOR, M.PIPELINE, M.CONTEXT, M.DATA, M.MODEL, M.GLOBAL]
+
+    def members() -> dict:
+        out = {}
+        for mode in modes:
+            onehot = torch.zeros(64)
+            onehot[dist.get_rank()] = 1.0
+            dist.all_reduce(onehot, group=gpc.get_group(mode))
+            out[mode] = (
+                onehot.nonzero().flatten().tolist(),
+                gpc.get_local_rank(mode),
+                gpc.get_next_global_rank(mode),
+            )
+        return out
+
+    results = run_local(members, 64, tensor=4, pipeline=2, context=2)
+    layout = plan(64, tensor=4, pipeline=2, context=2)
+    for rank, seen in enumerate(results):
+        for mode in modes:
+            group = layout.group_of(mode, rank)
+            assert seen[mode][0] == list(group), (rank, mode)
+            index = list(group).index(rank)
+            assert seen[mode][1] == index
+            assert seen[mode][2] == group[(index + 1) % len(group)]
+
+
+# ------------------------------------------------------------------------------ the traps
+def _seed(layout, rank: int, mode) -> int:
+    return mode_seed(layout, rank, mode, local_traps.CONFIG["seed"])
+
+
+def test_every_trap_gives_what_the_real_rank_computes() -> None:
+    results = run_local(local_traps.everything, 8, local_traps.CONFIG)
+    layout = plan(8, tensor=2, pipeline=2)
+    for rank, got in enumerate(results):
+        # the list form of all_gather: this rank's group, in group order
+        for mode in (M.TENSOR, M.DATA):
+            group = layout.group_of(mode, rank)
+            want = torch.tensor([[float(r), float(i)] for i, r in enumerate(group)])
+            assert torch.equal(got["all_gather"][mode.name], want), (rank, mode)
+        # the rank branch: only the first tensor rank drew, from its own default stream
+        src = layout.group_of(M.TENSOR, rank)[0]
+        assert got["branch"]["first"] == (rank == src)
+        want_value = torch.rand(3, generator=_gen(_seed(layout, src, M.GLOBAL))) + src
+        assert torch.equal(got["branch"]["value"], want_value), rank
+        # this rank's default stream: the branch's draw (first tensor ranks), then save/restore
+        default = _gen(_seed(layout, rank, M.GLOBAL))
+        if rank == src:
+            torch.rand(3, generator=default)
+        first = torch.rand(4, generator=default)
+        assert torch.equal(got["save_restore"]["first"], first), rank
+        assert torch.equal(got["save_restore"]["again"], first), rank
+        base = _seed(layout, rank, M.GLOBAL)
+        assert got["save_restore"]["python"] == random.Random(base).random()
+        assert got["save_restore"]["numpy"] == float(np.random.RandomState(base).rand())
+        # fork_rng: the inside from its own seed across a collective; outside goes on unchanged
+        inside = _gen(1000 + rank)
+        assert torch.equal(got["fork_rng"]["inside"], torch.rand(2, generator=inside))
+        assert torch.equal(got["fork_rng"]["inside_after"], torch.rand(2, generator=inside))
+        assert torch.equal(got["fork_rng"]["outside"], torch.rand(2, generator=default)), rank
+        # gpc's streams, from the documented formula
+        for mode in (M.TENSOR, M.DATA, M.PIPELINE, "replica"):
+            want = torch.rand(3, generator=_gen(_seed(layout, rank, mode)))
+            assert torch.equal(got["streams"][str(mode)], want), (rank, mode)
+        assert got["streams"]["replayed"] is True
+
+
+# ------------------------------------------------------------------------------ failures are named
+def test_a_rank_that_skips_a_collective_is_named_not_hung() -> None:
+    def skip() -> None:
+        if gpc.get_global_rank() != 3:
+            dist.all_reduce(torch.ones(2), group=gpc.get_group(M.TENSOR))
+
+    with pytest.raises(LocalRankError) as info:
+        run_local(skip, 4, tensor=2)
+    text = str(info.value)
+    assert "rank 2 waits for all_reduce(float32[2]) (call 1 on group [2, 3])" in text
+    assert "the real job would hang" in text and "ranks finished: 0, 1, 3" in text
+
+
+def test_different_collectives_at_one_place_are_named_on_both_ranks() -> None:
+    def mixed() -> None:
+        group = gpc.get_group(M.TENSOR)
+        if gpc.get_local_rank(M.TENSOR) == 0:
+            dist.all_reduce(torch.ones(2), group=group)
+        else:
+            dist.broadcast(torch.ones(2), src=gpc.get_ranks_in_group(M.TENSOR)[0], group=group)
+
+    with pytest.raises(LocalRankError) as info:
+        run_local(mixed, 2, tensor=2)
+    text = str(info.value)
+    assert "2 of 2 simulated ranks failed" in text and "LocalMismatch" in text
+    assert re.search(r"rank 1 called broadcast\[root 0\]\(float32\[2\]\) as call \d+ on group \[0, 1\], where rank 0 called all_reduce", text)
+
+
+def test_a_raising_rank_is_named_with_its_place_and_its_peers_are_released() -> None:
+    def boom() -> None:
+        if gpc.get_global_rank() == 5:
+            raise ValueError("bad shard")
+        dist.all_reduce(torch.ones(1))
+
+    with pytest.raises(LocalRankError) as info:
+        run_local(boom, 8, tensor=2, pipeline=2)
+    text = str(info.value)
+    assert (
+        text.splitlines()[1] == "rank 5 (pipeline stage 1, tensor rank 1, data rank 0): ValueError: bad shard"
+    )
+    assert "rank 0 (" in text and "ranks that raised: 5 (ValueError: bad shard)" in text
+    assert isinstance(info.value.__cause__, ValueError)
+    assert type(gpc) is parallelctx.ParallelContext and not gpc.is_initialized(M.GLOBAL)
+
+
+def test_point_to_point_mismatches_and_any_source_are_refused_by_name() -> None:
+    def sizes() -> None:
+        if dist.get_rank() == 0:
+            dist.send(torch.ones(3), dst=1)
+        else:
+            dist.recv(torch.ones(4), src=0)
+
+    with pytest.raises(
+        LocalRankError, match=r"rank 1 receives \(4,\) torch.float32 from rank 0, which sent \(3,\)"
+    ):
+        run_local(sizes, 2)
+
+    def anyone() -> None:
+        if dist.get_rank() == 1:
+            dist.recv(torch.ones(1))
+        else:
+            dist.send(torch.ones(1), dst=1)
+
+    with pytest.raises(LocalRankError, match="no recv from any source"):
+        run_local(anyone, 2, timeout=30)
+
+
+def test_a_rank_that_never_reaches_a_collective_is_named_at_the_timeout() -> None:
+    release = threading.Event()
+
+    def stall() -> None:
+        if dist.get_rank() == 1:
+            release.wait(30)
+        dist.all_reduce(torch.ones(1))
+
+    try:
+        with pytest.raises(LocalRankError, match=r"within 1 s \(2 ranks left\): rank 1 runs; rank 0 waits for all_reduce"):
+            run_local(stall, 2, timeout=1)
+    finally:
+        release.set()
+    assert type(gpc) is parallelctx.ParallelContext and not dist.is_initialized()
+
+
+def test_a_local_world_needs_gpc_unlaunched_and_does_not_nest() -> None:
+    def nested() -> None:
+        run_local(lambda: None, 2)
+
+    with pytest.raises(LocalRankError, match="no other local world"):
+        run_local(nested, 2)
+    parallelctx.launch(rank=0, world_size=1, port=None)
+    try:
+        with pytest.raises(RuntimeError, match="needs gpc unlaunched"):
+            run_local(lambda: None, 2)
+    finally:
+        gpc.destroy()
+
+
+# ------------------------------------------------------------------------------ model code
+class _Recorded(nn.Module):
+    """A ParallelMLP that keeps the dropout masks of every forward (one per microbatch)."""
+
+    def __init__(self, block: ParallelMLP) -> None:
+        super().__init__()
+        self.block = block
+        self.masks: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        self.masks.append(self.block.masks)
+        return y
+
+
+HIDDEN, FFN, ROWS, MICRO, P = 8, 16, 8, 4, 0.5
+
+
+def _weights(stage: int) -> list[torch.Tensor]:
+    gen = _gen(300 + stage)
+    return [
+        torch.randn(s, generator=gen, dtype=torch.float64) * 0.5
+        for s in [(FFN, HIDDEN), (FFN,), (HIDDEN, FFN), (HIDDEN,)]
+    ]
+
+
+def _data(replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = _gen(70 + replica)
+    return torch.randn(ROWS, HIDDEN, generator=gen, dtype=torch.float64), torch.randn(
+        ROWS, HIDDEN, generator=gen, dtype=torch.float64
+    )
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _one_f_one_b(reduce_data: bool = True) -> None:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stage, stages = gpc.get_local_rank(M.PIPELINE), gpc.get_world_size(M.PIPELINE)
+    replica, replicas = gpc.get_local_rank(M.DATA), gpc.get_world_size(M.DATA)
+    model = _Recorded(ParallelMLP(*_weights(stage), p=P))
+    piped = PipelineStage(model, stage, stages, gpc.device, group=gpc.get_group(M.PIPELINE))
+    schedule = Schedule1F1B(piped, n_microbatches=MICRO, loss_fn=_mse)
+    x, target = _data(replica)
+    losses: list = []
+    if gpc.is_pipeline_first_stage():
+        schedule.step(x)
+    elif gpc.is_pipeline_last_stage():
+        schedule.step(target=target, losses=losses)
+    else:
+        schedule.step()
+    for p in model.parameters():
+        if reduce_data:
+            dist.all_reduce(p.grad, group=gpc.get_group(M.DATA))
+        p.grad /= replicas
+
+    # the serial reference: every replica's microbatches through every stage, with the masks drawn
+    # (the stage's shape inference ran the block once more, first: its draws are skipped here)
+    assert len(model.masks) == MICRO + 1
+    masks = [(torch.cat(gather_across(M.TENSOR, h), dim=-1), y) for h, y in model.masks[-MICRO:]]
+    by_stage: list = [None] * stages
+    dist.all_gather_object(by_stage, masks, group=gpc.get_cpu_group(M.PIPELINE))
+    everyone: list = [None] * replicas
+    dist.all_gather_object(everyone, by_stage, group=gpc.get_cpu_group(M.DATA))
+    params = [[t.requires_grad_(True) for t in _weights(s)] for s in range(stages)]
+    total = torch.zeros((), dtype=torch.float64)
+    serial_losses = []
+    for d in range(replicas):
+        xs, ts = (t.chunk(MICRO) for t in _data(d))
+        for m in range(MICRO):
+            out = xs[m]
+            for s in range(stages):
+                out = serial_mlp(out, params[s], everyone[d][s][m], P)
+            loss = _mse(out, ts[m])
+            serial_losses.append(loss.detach())
+            total = total + loss / (MICRO * replicas)
+    total.backward()
+    if gpc.is_pipeline_last_stage():
+        mine = serial_losses[replica * MICRO : (replica + 1) * MICRO]
+        torch.testing.assert_close(torch.stack(losses), torch.stack(mine), rtol=1e-12, atol=1e-12)
+    w1, b1, w2, b2 = params[stage]
+    part = model.block.part
+    torch.testing.assert_close(model.block.w1.grad, w1.grad[part], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.block.b1.grad, b1.grad[part], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.block.w2.grad, w2.grad[:, part], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(model.block.b2.grad, b2.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_tensor4_pipeline4_data4_under_a_1f1b_schedule_equals_the_serial_model() -> None:
+    run_local(_one_f_one_b, 64, tensor=4, pipeline=4)
+
+
+def test_a_1f1b_schedule_without_the_data_all_reduce_is_caught() -> None:
+    # the bug the test exists for: each data replica steps on its own gradient
+    with pytest.raises(LocalRankError, match="Tensor-likes are not close"):
+        run_local(functools.partial(_one_f_one_b, reduce_data=False), 16, tensor=2, pipeline=2)
+
+
+# ------------------------------------------------------------------------------ Megatron-core
+def test_megatron_column_then_row_parallel_at_tensor_8_equals_serial() -> None:
+    pytest.importorskip("megatron.core")
+
+    def megatron_mlp() -> None:
+        from megatron.core.model_parallel_config import ModelParallelConfig
+        from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+        import parallelctx.megatron as bridge
+
+        with pytest.raises(RuntimeError, match="one set per process; in a local world"):
+            bridge.install()
+        tp_group = bridge.process_groups().tp
+        cfg = ModelParallelConfig(
+            tensor_model_parallel_size=8,
+            use_cpu_initialization=True,
+            perform_initialization=False,
+            params_dtype=torch.float64,
+        )
+        col = ColumnParallelLinear(
+            8, 32, config=cfg, init_method=nn.init.zeros_, bias=True, gather_output=False, tp_group=tp_group
+        )
+        row = RowParallelLinear(
+            32,
+            8,
+            config=cfg,
+            init_method=nn.init.zeros_,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            tp_group=tp_group,
+        )
+        gen = _gen(5)
+        w1, b1, w2, b2 = (
+            torch.randn(s, generator=gen, dtype=torch.float64) for s in [(32, 8), (32,), (8, 32), (8,)]
+        )
+        part = slice(4 * gpc.get_local_rank(M.TENSOR), 4 * gpc.get_local_rank(M.TENSOR) + 4)
+        with torch.no_grad():
+            col.weight.copy_(w1[part])
+            col.bias.copy_(b1[part])
+            row.weight.copy_(w2[:, part])
+            row.bias.copy_(b2)
+        x = torch.randn(6, 8, generator=_gen(9), dtype=torch.float64, requires_grad=True)
+        h, _ = col(x)
+        y, _ = row(F.gelu(h))
+        y.sum().backward()
+        refs = [t.clone().requires_grad_(True) for t in (x.detach(), w1, b1, w2, b2)]
+        ref_y = F.linear(F.gelu(F.linear(refs[0], refs[1], refs[2])), refs[3], refs[4])
+        ref_y.sum().backward()
+        torch.testing.assert_close(y, ref_y, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(x.grad, refs[0].grad, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(col.weight.grad, refs[1].grad[part], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(row.weight.grad, refs[3].grad[:, part], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(row.bias.grad, refs[4].grad, rtol=1e-12, atol=1e-12)
+
+    run_local(megatron_mlp, 16, tensor=8)
+
+
+# ------------------------------------------------------------------------------ the pytest marker
+@pytest.mark.parallel(world_size=8, tensor=2, pipeline=2, local=True)
+def test_the_marker_runs_every_rank_with_the_fixtures_made_once(tmp_path: Path) -> None:
+    (tmp_path / f"rank-{dist.get_rank()}").write_text(str(gpc.get_local_rank(M.TENSOR)))
+    dist.barrier()
+    seen = sorted(p.name for p in tmp_path.iterdir())
+    assert seen == [f"rank-{r}" for r in range(8)]
+    assert gpc.get_world_size(M.DATA) == 2 and dist.get_world_size() == 8
+
+
+# ------------------------------------------------------------------------------ against real ranks
+def _torchrun(script: Path, out: Path, nproc: int) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(script), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _same(a: object, b: object, where: str) -> list[str]:
+    if isinstance(a, torch.Tensor):
+        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [where]
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), where
+        return [bad for k in a for bad in _same(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        return [bad for i, (x, y) in enumerate(zip(a, b)) for bad in _same(x, y, f"{where}[{i}]")]
+    return [] if a == b else [where]
+
+
+@pytest.mark.slow
+def test_the_3d_mlp_trained_locally_equals_8_torchrun_processes_bit_for_bit(tmp_path: Path) -> None:
+    import train_3d
+
+    _torchrun(ROOT / "examples" / "tp_mlp" / "train_3d.py", tmp_path, 8)
+    local = run_local(train_3d.train, 8, train_3d.CONFIG)
+    differ = []
+    for rank in range(8):
+        real = torch.load(tmp_path / f"rank-{rank}.pt")
+        assert len(real["masks"]) == train_3d.STEPS and real["params"]
+        differ += _same(real, local[rank], f"rank {rank}")
+    assert differ == []
+
+
+@pytest.mark.slow
+def test_every_trap_equals_8_torchrun_processes_bit_for_bit(tmp_path: Path) -> None:
+    _torchrun(ROOT / "tests" / "local_traps.py", tmp_path, 8)
+    local = run_local(local_traps.everything, 8, local_traps.CONFIG)
+    differ = []
+    for rank in range(8):
+        differ += _same(
+            torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False), local[rank], f"rank {rank}"
+        )
+    assert differ == []
