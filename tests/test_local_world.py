@@ -135,7 +135,10 @@ def test_different_collectives_at_one_place_are_named_on_both_ranks() -> None:
         run_local(mixed, 2, tensor=2)
     text = str(info.value)
     assert "2 of 2 simulated ranks failed" in text and "LocalMismatch" in text
-    assert re.search(r"rank 1 called broadcast\[root 0\]\(float32\[2\]\) as call \d+ on group \[0, 1\], where rank 0 called all_reduce", text)
+    assert re.search(
+        r"rank 1 called broadcast\[root 0\]\(float32\[2\]\) as call \d+ on group \[0, 1\], where rank 0 called all_reduce",
+        text,
+    )
 
 
 def test_a_raising_rank_is_named_with_its_place_and_its_peers_are_released() -> None:
@@ -186,7 +189,9 @@ def test_a_rank_that_never_reaches_a_collective_is_named_at_the_timeout() -> Non
         dist.all_reduce(torch.ones(1))
 
     try:
-        with pytest.raises(LocalRankError, match=r"within 1 s \(2 ranks left\): rank 1 runs; rank 0 waits for all_reduce"):
+        with pytest.raises(
+            LocalRankError, match=r"within 1 s \(2 ranks left\): rank 1 runs; rank 0 waits for all_reduce"
+        ):
             run_local(stall, 2, timeout=1)
     finally:
         release.set()
