@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -61,7 +60,6 @@ class ParallelContext(ModeViews):
         self._guard = Guard()
         self._meetings = Meetings(self._guard.aborted)
         self._dry_run: DryRun | None = None
-        self._threads: dict[int, ParallelContext] = {}  # a local world's ranks (per_thread)
         self._reset()
 
     @property
@@ -250,8 +248,11 @@ class ParallelContext(ModeViews):
         waiting on a hung collective (:meth:`parallelctx.guard.core.Guard.abort`): a pending
         collective raises within milliseconds, here and on the peers; a launch under way raises
         :class:`parallelctx.abort.LaunchAborted`. Then :meth:`destroy` and launch again.
-        ``timeout`` bounds each connection it makes (at most 0.5 s). Returns the number of gloo
-        connections shut down; never raises (a failure is logged)."""
+        ``timeout`` bounds each connection it makes (at most 0.5 s).
+
+        Returns:
+            The number of gloo connections shut down. Never raises (a failure is logged).
+        """
         return self._guard.abort(timeout)
 
     def reform(
@@ -261,10 +262,15 @@ class ParallelContext(ModeViews):
         :meth:`abort`: the ranks that stay agree on ``exclude``, the layout shrinks by
         ``parallel.reform``, and they launch again as ranks ``0..n-1`` in their old order (a fresh
         launch of the smaller layout); the reform hooks rebuild the bridges
-        (:func:`parallelctx.runtime.reform.prepare`; docs/reliability.md). Returns a
-        :class:`Reformed` (``stays=False`` on a rank that left; gpc is then destroyed). Raises
-        RuntimeError, ValueError, ReformError (from ``prepare``), RendezvousError and
-        LaunchAborted (from the new launch)."""
+        (:func:`parallelctx.runtime.reform.prepare`; docs/reliability.md).
+
+        Returns:
+            A :class:`Reformed` (``stays=False`` on a rank that left; gpc is then destroyed).
+
+        Raises:
+            RuntimeError, ValueError, ReformError: from :func:`~parallelctx.runtime.reform.prepare`.
+            RendezvousError, LaunchAborted: from the new launch.
+        """
         plan = prepare(self._launched, self._meetings, exclude, timeout)
         rebuild = list(self._reform_hooks)
         self.destroy()
@@ -312,18 +318,31 @@ class ParallelContext(ModeViews):
         return self._answers.local_ranks[mode]
 
     def get_world_size(self, mode: ParallelMode | str) -> int:
-        """Return the size of this rank's group of ``mode`` (1 for an unused axis). Raises as
-        :meth:`get_local_rank`."""
+        """Return the size of this rank's group of ``mode`` (1 for an unused axis).
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
         return self._answers.world_sizes[mode]
 
     def get_group(self, mode: ParallelMode | str) -> Any:
         """Return this rank's process group of ``mode`` (a one-rank group of this rank for a mode
-        of size 1, never None, which torch would read as the whole world). Raises as
-        :meth:`get_local_rank`."""
+        of size 1, never None, which torch would read as the whole world).
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
         return self._answers.groups[mode]
 
     def get_cpu_group(self, mode: ParallelMode | str) -> Any:
-        """Return the CPU group beside ``mode``'s group (itself with gloo). Raises as :meth:`get_local_rank`."""
+        """Return the CPU (gloo) group beside ``mode``'s group (the group itself with gloo).
+
+        Raises:
+            NotLaunchedError: before launch, or a mode this rank has no group of.
+            LayoutError: ``mode`` is not a parallel mode.
+        """
         return self._answers.cpu_groups[mode]
 
     def get_ranks_in_group(self, mode: ParallelMode | str) -> list[int]:
@@ -442,23 +461,6 @@ class ParallelContext(ModeViews):
         self.rng_streams  # noqa: B018 - NotLaunchedError before set_seed
         self._launched.restore_rng(state)
 
-    @contextlib.contextmanager
-    def per_thread(self) -> Iterator[Callable[[], ParallelContext]]:
-        """While the body runs, ``gpc`` answers in each thread that called the yielded ``bind()``
-        from that thread's own new context (which ``bind()`` returns), elsewhere from its own:
-        a world of ranks as threads (:func:`parallelctx.local.run_local`). Raises RuntimeError
-        when gpc is launched in this process or a local world already runs."""
-        if type(self) is not ParallelContext or self._launched.rank >= 0:
-            raise RuntimeError(
-                "a local world needs gpc unlaunched and no other local world: gpc.destroy() first"
-            )
-        self.__class__ = _PerThread
-        try:
-            yield lambda: self._threads.setdefault(threading.get_ident(), ParallelContext())
-        finally:
-            self.__class__ = ParallelContext
-            self._threads.clear()
-
     def summary(self) -> str:
         """Return the one-line launch summary."""
         return (
@@ -466,14 +468,6 @@ class ParallelContext(ModeViews):
             f"procs/node={self.num_processes_on_current_node} seed={self.config.seed} "
             f"groups made on this rank={self.group_creations}"
         )
-
-
-class _PerThread(ParallelContext):
-    """gpc's class inside :meth:`ParallelContext.per_thread` (only there: the hot path pays nothing)."""
-
-    def __getattribute__(self, name: str) -> Any:
-        ctx = object.__getattribute__(self, "_threads").get(threading.get_ident())
-        return object.__getattribute__(self, name) if ctx is None else getattr(ctx, name)
 
 
 gpc: ParallelContext = ParallelContext()

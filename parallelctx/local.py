@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -24,10 +25,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .config import Config, load_config
-from .context import gpc
-from .runtime.local import BACKEND, LocalDeadlock, LocalWorld, RankThread, register_backend
+from .context import ParallelContext, gpc
+from .planning.layout import ParallelMode
+from .runtime.local import BACKEND, LocalDeadlock, LocalWorld, RankThread, keep_per_rank, register_backend
 
-__all__ = ["LocalRankError", "run_local"]
+__all__ = ["LocalRankError", "keep_per_rank", "run_local"]
 
 DEFAULT_TIMEOUT_S = 600.0
 SHOWN = 8  # ranks named with their error; the others by number
@@ -45,6 +47,34 @@ def _with_sizes(config: Config | Mapping[str, Any] | str | Path | None, sizes: M
     data = cfg.to_dict()
     data.setdefault("parallel", {}).update(sizes)
     return Config(data)
+
+
+class _PerThread(ParallelContext):
+    """gpc's class while a local world runs (only then: the hot path pays nothing): in a rank's
+    thread every attribute is that rank's context's, elsewhere gpc's own."""
+
+    def __getattribute__(self, name: str) -> Any:
+        ctx = getattr(threading.current_thread(), "context", None)
+        return object.__getattribute__(self, name) if ctx is None else getattr(ctx, name)
+
+
+@contextlib.contextmanager
+def _per_thread() -> Iterator[None]:
+    """``gpc`` answers from each rank thread's own context while the body runs.
+
+    Raises:
+        RuntimeError: gpc is launched in this process, or a local world already runs.
+    """
+    if type(gpc) is not ParallelContext or gpc.is_initialized(ParallelMode.GLOBAL):
+        raise RuntimeError(
+            "a local world needs gpc unlaunched and no other local world in this process: call "
+            "gpc.destroy() first, and do not start a local world from inside one"
+        )
+    gpc.__class__ = _PerThread
+    try:
+        yield
+    finally:
+        gpc.__class__ = ParallelContext
 
 
 @contextlib.contextmanager
@@ -95,8 +125,8 @@ def run_local(
     results: list[Any] = [None] * world_size
     errors: dict[int, tuple[BaseException, str]] = {}
 
-    def rank_body(rank: int, bind: Callable[[], Any]) -> None:
-        ctx = bind()
+    def rank_body(rank: int) -> None:
+        ctx = threading.current_thread().context = ParallelContext()  # type: ignore[attr-defined]
         failed: BaseException | None = None
         try:
             world.enter(rank)
@@ -120,8 +150,8 @@ def run_local(
             world.leave(rank, failed)
 
     begin = time.monotonic()
-    with gpc.per_thread() as bind, _thread_worlds():
-        threads = [RankThread(world, r, functools.partial(rank_body, r, bind)) for r in range(world_size)]
+    with _per_thread(), _thread_worlds():
+        threads = [RankThread(world, r, functools.partial(rank_body, r)) for r in range(world_size)]
         for t in threads:
             t.start()
         for t in threads:
@@ -130,6 +160,7 @@ def run_local(
         if late:
             seen = world.running()
             world.abandon(f"the local world was given up after {timeout:g} s")
+        world.restore_kept()
     if late:
         raise LocalRankError(
             f"the local world did not finish within {timeout:g} s ({len(late)} ranks left): {seen}; "

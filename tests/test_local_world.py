@@ -74,40 +74,53 @@ def _seed(layout, rank: int, mode) -> int:
     return mode_seed(layout, rank, mode, local_traps.CONFIG["seed"])
 
 
-def test_every_trap_gives_what_the_real_rank_computes() -> None:
-    results = run_local(local_traps.everything, 8, local_traps.CONFIG)
-    layout = plan(8, tensor=2, pipeline=2)
-    for rank, got in enumerate(results):
-        # the list form of all_gather: this rank's group, in group order
+LAYOUT8 = plan(8, tensor=2, pipeline=2)
+
+
+def _traps(trap) -> list:
+    return run_local(trap, 8, local_traps.CONFIG)
+
+
+def test_the_list_form_of_all_gather_gives_each_rank_its_own_group() -> None:
+    for rank, got in enumerate(_traps(local_traps.list_all_gather)):
         for mode in (M.TENSOR, M.DATA):
-            group = layout.group_of(mode, rank)
+            group = LAYOUT8.group_of(mode, rank)
             want = torch.tensor([[float(r), float(i)] for i, r in enumerate(group)])
-            assert torch.equal(got["all_gather"][mode.name], want), (rank, mode)
-        # the rank branch: only the first tensor rank drew, from its own default stream
-        src = layout.group_of(M.TENSOR, rank)[0]
-        assert got["branch"]["first"] == (rank == src)
-        want_value = torch.rand(3, generator=_gen(_seed(layout, src, M.GLOBAL))) + src
-        assert torch.equal(got["branch"]["value"], want_value), rank
-        # this rank's default stream: the branch's draw (first tensor ranks), then save/restore
-        default = _gen(_seed(layout, rank, M.GLOBAL))
-        if rank == src:
-            torch.rand(3, generator=default)
-        first = torch.rand(4, generator=default)
-        assert torch.equal(got["save_restore"]["first"], first), rank
-        assert torch.equal(got["save_restore"]["again"], first), rank
-        base = _seed(layout, rank, M.GLOBAL)
-        assert got["save_restore"]["python"] == random.Random(base).random()
-        assert got["save_restore"]["numpy"] == float(np.random.RandomState(base).rand())
-        # fork_rng: the inside from its own seed across a collective; outside goes on unchanged
+            assert torch.equal(got[mode.name], want), (rank, mode)
+
+
+def test_a_branch_on_the_rank_takes_each_ranks_own_way() -> None:
+    for rank, got in enumerate(_traps(local_traps.rank_branch)):
+        src = LAYOUT8.group_of(M.TENSOR, rank)[0]  # only it drew, from its own default stream
+        assert got["first"] == (rank == src)
+        want = torch.rand(3, generator=_gen(_seed(LAYOUT8, src, M.GLOBAL))) + src
+        assert torch.equal(got["value"], want), rank
+
+
+def test_a_save_and_restore_of_the_rng_state_across_a_collective_is_per_rank() -> None:
+    for rank, got in enumerate(_traps(local_traps.save_and_restore)):
+        base = _seed(LAYOUT8, rank, M.GLOBAL)
+        first = torch.rand(4, generator=_gen(base))
+        assert torch.equal(got["first"], first) and torch.equal(got["again"], first), rank
+        assert got["python"] == random.Random(base).random()
+        assert got["numpy"] == float(np.random.RandomState(base).rand())
+
+
+def test_fork_rng_across_a_collective_is_per_rank() -> None:
+    for rank, got in enumerate(_traps(local_traps.fork_rng)):
         inside = _gen(1000 + rank)
-        assert torch.equal(got["fork_rng"]["inside"], torch.rand(2, generator=inside))
-        assert torch.equal(got["fork_rng"]["inside_after"], torch.rand(2, generator=inside))
-        assert torch.equal(got["fork_rng"]["outside"], torch.rand(2, generator=default)), rank
-        # gpc's streams, from the documented formula
+        assert torch.equal(got["inside"], torch.rand(2, generator=inside))
+        assert torch.equal(got["inside_after"], torch.rand(2, generator=inside))
+        default = _gen(_seed(LAYOUT8, rank, M.GLOBAL))  # outside goes on as if never forked
+        assert torch.equal(got["outside"], torch.rand(2, generator=default)), rank
+
+
+def test_gpcs_streams_draw_the_documented_formula_on_every_rank() -> None:
+    for rank, got in enumerate(_traps(local_traps.streams)):
         for mode in (M.TENSOR, M.DATA, M.PIPELINE, "replica"):
-            want = torch.rand(3, generator=_gen(_seed(layout, rank, mode)))
-            assert torch.equal(got["streams"][str(mode)], want), (rank, mode)
-        assert got["streams"]["replayed"] is True
+            want = torch.rand(3, generator=_gen(_seed(LAYOUT8, rank, mode)))
+            assert torch.equal(got[str(mode)], want), (rank, mode)
+        assert got["replayed"] is True
 
 
 # ------------------------------------------------------------------------------ failures are named
@@ -302,6 +315,7 @@ def _one_f_one_b(reduce_data: bool = True) -> None:
     torch.testing.assert_close(model.block.b2.grad, b2.grad, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow  # 6 s here: make test-slow (the cheaper mutation test below stays in make test)
 def test_tensor4_pipeline4_data4_under_a_1f1b_schedule_equals_the_serial_model() -> None:
     run_local(_one_f_one_b, 64, tensor=4, pipeline=4)
 
@@ -313,18 +327,25 @@ def test_a_1f1b_schedule_without_the_data_all_reduce_is_caught() -> None:
 
 
 # ------------------------------------------------------------------------------ Megatron-core
-def test_megatron_column_then_row_parallel_at_tensor_8_equals_serial() -> None:
+@pytest.mark.parametrize("explicit", [False, True], ids=["getters", "pg_collection"])
+def test_megatron_column_then_row_parallel_at_tensor_8_equals_serial(explicit: bool) -> None:
     pytest.importorskip("megatron.core")
 
     def megatron_mlp() -> None:
+        from megatron.core import parallel_state as ps
         from megatron.core.model_parallel_config import ModelParallelConfig
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         import parallelctx.megatron as bridge
 
-        with pytest.raises(RuntimeError, match="one set per process; in a local world"):
-            bridge.install()
-        tp_group = bridge.process_groups().tp
+        # the getters, as Megatron's own code reads them, answer per rank
+        bridge.install()
+        assert ps.get_tensor_model_parallel_rank() == gpc.get_local_rank(M.TENSOR)
+        assert ps.get_data_parallel_rank() == gpc.get_local_rank(M.DATA)
+        assert dist.get_process_group_ranks(ps.get_data_parallel_group()) == gpc.get_ranks_in_group(M.DATA)
+        dist.barrier()  # every rank has installed: each still reads its own
+        assert ps.get_tensor_model_parallel_group() is gpc.get_group(M.TENSOR)
+        tp_group = bridge.process_groups().tp if explicit else None
         cfg = ModelParallelConfig(
             tensor_model_parallel_size=8,
             use_cpu_initialization=True,
@@ -368,6 +389,9 @@ def test_megatron_column_then_row_parallel_at_tensor_8_equals_serial() -> None:
         torch.testing.assert_close(row.bias.grad, refs[4].grad, rtol=1e-12, atol=1e-12)
 
     run_local(megatron_mlp, 16, tensor=8)
+    from megatron.core import parallel_state as ps
+
+    assert ps._TENSOR_MODEL_PARALLEL_GROUP is None  # nothing left in the process
 
 
 # ------------------------------------------------------------------------------ the pytest marker

@@ -191,6 +191,14 @@ def _steps(model: Any, rank: int, size: int) -> tuple[list[float], dict[str, Any
     return losses, full
 
 
+@pytest.mark.slow  # 4 s: make test-slow
+@pytest.mark.parallel(world_size=8, tensor=2, data=dict(replicate=2, shard=2), local=True)
+def test_torchtitans_fsdp_apply_step_trains_like_serial_in_a_local_world() -> None:
+    # the same training, every rank a thread of this process (parallelctx.run_local): FSDP2's
+    # reduce-scatters and all-gathers and DTensor's redistributes on the local backend
+    test_torchtitans_fsdp_apply_step_on_the_bridge_trains_like_serial()
+
+
 @pytest.mark.parallel(world_size=8, tensor=2, data=dict(replicate=2, shard=2))
 def test_torchtitans_fsdp_apply_step_on_the_bridge_trains_like_serial() -> None:
     import torch

@@ -33,13 +33,14 @@ Not covered, refused or left as Megatron leaves them by default: see docs/migrat
 from __future__ import annotations
 
 import functools
-import threading
+import sys
 from typing import Any
 
 try:
     import megatron.core  # noqa: F401
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import random as _mrandom
 except ImportError as _exc:  # pragma: no cover - the message is the point
     raise ImportError(
         "parallelctx.megatron needs megatron-core, which is not installed: "
@@ -48,7 +49,7 @@ except ImportError as _exc:  # pragma: no cover - the message is the point
 
 from ..context import NotLaunchedError, gpc
 from ..planning.layout import Layout
-from ..runtime.local import RankThread
+from ..runtime.local import keep_per_rank
 from . import release as _release
 from .options import Options, parse_options
 from .release import (
@@ -58,7 +59,7 @@ from .release import (
     MegatronVersionError,
     Release,
 )
-from .rng import RNG_STREAMS, GpcRNGTracker, swap_back, swap_in
+from .rng import RNG_STREAMS, SWAPPED, GpcRNGTracker, swap_back, swap_in
 from .state import Installed, extra_groups, sources, values
 
 __all__ = [
@@ -152,9 +153,7 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
         NotLaunchedError: gpc is not launched.
         RuntimeError: already installed (call :func:`uninstall` first), or Megatron's own
             ``initialize_model_parallel`` has filled ``parallel_state`` (call
-            ``parallel_state.destroy_model_parallel()`` first), or called in a local world
-            (:func:`parallelctx.run_local`, where the globals cannot be per rank: use
-            :func:`process_groups`).
+            ``parallel_state.destroy_model_parallel()`` first).
         TypeError: an option ``initialize_model_parallel`` does not have.
         ValueError: an option that is refused or contradicts gpc's launch (the message names
             it), e.g. ``virtual_pipeline_model_parallel_size`` with a pipeline of size 1 (Megatron
@@ -163,13 +162,11 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
     """
     global _state
     layout = _require_launched("install()")
-    if isinstance(threading.current_thread(), RankThread):
-        raise RuntimeError(
-            "parallelctx.megatron.install() sets megatron.core.parallel_state's globals, one set per "
-            "process; in a local world (parallelctx.run_local) the ranks are threads of one process and "
-            "every rank would read the last rank's groups. Pass the groups explicitly instead: "
-            "pg_collection=parallelctx.megatron.process_groups() (or tp_group=..., as Megatron's layers take)"
-        )
+    # In a local world (parallelctx.run_local) the ranks are threads sharing these modules: each
+    # rank keeps its own parallel_state globals, RNG tracker hooks and install state.
+    keep_per_rank(ps, *sorted(_release.check().globals))
+    keep_per_rank(_mrandom, *SWAPPED)
+    keep_per_rank(sys.modules[__name__], "_state")
     if _state is not None:
         raise RuntimeError(
             "parallelctx.megatron is already installed; call parallelctx.megatron.uninstall() (or gpc.destroy()) "

@@ -47,6 +47,7 @@ __all__ = [
     "LocalMismatch",
     "LocalWorld",
     "RankThread",
+    "keep_per_rank",
     "register_backend",
 ]
 
@@ -178,6 +179,15 @@ def _put_rng(slot: _RNGSlot) -> None:
     np.random.set_state(slot[2])
 
 
+@dataclass
+class _Own:
+    """What a rank keeps while another runs: its default generators and its values of the
+    attributes kept per rank."""
+
+    rng: _RNGSlot
+    kept: dict[tuple[Any, str], Any]
+
+
 class LocalWorld:
     """The shared state of one world of threads: the baton, each group's channel, the messages
     in flight, and each rank's default-generator states while it does not hold the baton."""
@@ -197,7 +207,8 @@ class LocalWorld:
         self._state = ["new"] * world_size  # new -> ready <-> waiting -> done
         self._waits: dict[int, str] = {}
         self._holder: int | None = None
-        self._rng: dict[int, _RNGSlot] = {}
+        self._own: dict[int, _Own] = {}
+        self._kept: dict[tuple[Any, str], Any] = {}  # attribute -> its value before any rank set it
         self._failure: str | None = None
         self._channels: dict[tuple[str, tuple[int, ...]], _Channel] = {}
         self._mail: dict[tuple[int, int, int], deque[torch.Tensor]] = {}
@@ -215,7 +226,7 @@ class LocalWorld:
         """
         with self._lock:
             self._state[rank] = "ready"
-            self._rng[rank] = _take_rng()  # every thread starts from the process's state
+            self._own[rank] = self._take()  # every thread starts from the process's state
             first = self._next_ready(self.world_size - 1)
             if all(s != "new" for s in self._state) and self._holder is None and first is not None:
                 self._give(first)
@@ -244,7 +255,7 @@ class LocalWorld:
                 return
             self._state[rank] = "waiting"
             self._waits[rank] = what
-            self._rng[rank] = _take_rng()
+            self._own[rank] = self._take()
             self._pass(rank)
         self._await(rank)
 
@@ -268,7 +279,33 @@ class LocalWorld:
         with self._lock:
             if self._holder != rank:  # woken by a failure
                 raise LocalDeadlock(self._failure or "the local world failed")
-            _put_rng(self._rng.pop(rank))
+            self._put(self._own.pop(rank))
+
+    def keep_per_rank(self, owner: Any, names: Sequence[str]) -> None:
+        """From now on every rank sees its own value of ``owner.<name>`` for each of ``names``
+        (a module's globals, say), swapped in and out with the baton like the generators; a
+        rank that never set one sees the value it had when it was first kept. Returns None.
+
+        Raises:
+            AttributeError: ``owner`` has no attribute of one of ``names``.
+        """
+        with self._lock:
+            for name in names:
+                self._kept.setdefault((owner, name), getattr(owner, name))
+
+    def restore_kept(self) -> None:
+        """Put every attribute kept per rank back to its value before any rank set it; returns None."""
+        with self._lock:
+            for (owner, name), value in self._kept.items():
+                setattr(owner, name, value)
+
+    def _take(self) -> _Own:
+        return _Own(_take_rng(), {key: getattr(*key) for key in self._kept})
+
+    def _put(self, own: _Own) -> None:
+        _put_rng(own.rng)
+        for key, first in self._kept.items():
+            setattr(key[0], key[1], own.kept.get(key, first))
 
     def _give(self, rank: int) -> None:
         self._holder = rank
@@ -422,12 +459,14 @@ def _ranges(ranks: Sequence[int]) -> str:
 
 
 class RankThread(threading.Thread):
-    """The thread of one simulated rank of ``world``."""
+    """The thread of one simulated rank of ``world``; ``context`` is the rank's own
+    ``ParallelContext`` once its body made it (``gpc`` reads it in this thread)."""
 
     def __init__(self, world: LocalWorld, rank: int, target: Callable[[], Any]) -> None:
         super().__init__(name=f"parallelctx-local-rank-{rank}", target=target, daemon=True)
         self.world = world
         self.rank = rank
+        self.context: Any = None
 
 
 def _unsupported(what: str) -> NotImplementedError:
@@ -670,6 +709,20 @@ def _create(options: Any, backend_options: Any = None) -> LocalGroup:
         )
     members = tuple(int(r) for r in options.global_ranks_in_group) or tuple(range(thread.world.world_size))
     return LocalGroup(thread.world, thread.rank, members, str(options.group_id))
+
+
+def keep_per_rank(owner: Any, *names: str) -> None:
+    """In a local world, give every rank its own value of ``owner.<name>`` for each of ``names``
+    (:meth:`LocalWorld.keep_per_rank`): for module-level state another library keeps once per
+    process, which the ranks would otherwise share. Elsewhere (a real process is one rank) it
+    does nothing. Returns None.
+
+    Raises:
+        AttributeError: ``owner`` has no attribute of one of ``names``.
+    """
+    thread = threading.current_thread()
+    if isinstance(thread, RankThread):
+        thread.world.keep_per_rank(owner, names)
 
 
 def register_backend() -> None:
