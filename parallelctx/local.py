@@ -11,7 +11,11 @@ the sum of the ranks' tensors. docs/testing.md compares it with real ranks and t
 from __future__ import annotations
 
 import contextlib
+import copy
+import ctypes
 import functools
+import os
+import random
 import sys
 import threading
 import time
@@ -20,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -27,12 +32,21 @@ import torch.distributed.distributed_c10d as c10d
 from .config import Config, load_config
 from .context import ParallelContext, gpc
 from .planning.layout import ParallelMode
-from .runtime.local import BACKEND, LocalDeadlock, LocalWorld, RankThread, keep_per_rank, register_backend
+from .runtime.local import (
+    LocalAbandoned,
+    LocalDeadlock,
+    LocalWorld,
+    RankThread,
+    keep_per_rank,
+    put_environ,
+)
+from .runtime.local_group import BACKEND, register_backend
 
 __all__ = ["LocalRankError", "keep_per_rank", "run_local"]
 
 DEFAULT_TIMEOUT_S = 600.0
 SHOWN = 8  # ranks named with their error; the others by number
+STOP_S = 5.0  # how long ranks still running after a timeout get to end
 
 
 class LocalRankError(AssertionError):
@@ -96,6 +110,37 @@ def _thread_worlds() -> Iterator[None]:
         c10d._world, sys.excepthook = saved, hook
 
 
+@contextlib.contextmanager
+def _process_state() -> Iterator[None]:
+    """What each rank has alone (the default generators, the default dtype, the environment)
+    is the process's own again after the body: the ranks swap theirs in and out."""
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    dtype = torch.get_default_dtype()
+    env = dict(os.environ)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng[0])
+        random.setstate(rng[1])
+        np.random.set_state(rng[2])
+        torch.set_default_dtype(dtype)
+        put_environ(env)
+
+
+def _stop(threads: list[RankThread]) -> list[int]:
+    """Raise :class:`LocalAbandoned` inside each of ``threads`` still running (at its next Python
+    instruction) and give them a moment to end; return the ranks still running after that."""
+    for t in threads:
+        if t.is_alive() and t.ident is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                ctypes.c_ulong(t.ident), ctypes.py_object(LocalAbandoned)
+            )
+    deadline = time.monotonic() + STOP_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t.rank for t in threads if t.is_alive()]
+
+
 def run_local(
     fn: Callable[..., Any],
     world_size: int,
@@ -136,7 +181,9 @@ def run_local(
             ctx.init_parallel_groups()
             ctx.detect_num_processes_on_current_node()
             ctx.set_seed()
-            results[rank] = fn(*args)
+            mine = copy.deepcopy(args)  # each real rank unpickles its own (spawn's args=)
+            world.begin(rank)
+            results[rank] = fn(*mine)
         except BaseException as exc:
             failed = exc
             errors[rank] = (exc, traceback.format_exc())
@@ -150,22 +197,30 @@ def run_local(
             world.leave(rank, failed)
 
     begin = time.monotonic()
-    with _per_thread(), _thread_worlds():
+    late: list[int] = []
+    with _process_state(), _per_thread(), _thread_worlds():
         threads = [RankThread(world, r, functools.partial(rank_body, r)) for r in range(world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(max(0.0, timeout - (time.monotonic() - begin)))
-        late = [t.rank for t in threads if t.is_alive()]
-        if late:
-            seen = world.running()
-            world.abandon(f"the local world was given up after {timeout:g} s")
-        world.restore_kept()
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(max(0.0, timeout - (time.monotonic() - begin)))
+            late = [t.rank for t in threads if t.is_alive()]
+        finally:  # a timeout, or an interrupt of this thread: no rank goes on on its own
+            if any(t.is_alive() for t in threads):
+                seen = world.running()
+                world.abandon(f"the local world was given up after {time.monotonic() - begin:.0f} s")
+                stuck = _stop(threads)
+            world.restore_kept()
     if late:
         raise LocalRankError(
             f"the local world did not finish within {timeout:g} s ({len(late)} ranks left): {seen}; "
-            "a rank that never reaches a collective keeps the others waiting. Threads still running "
-            "are left to finish and then stop"
+            "a rank that never reaches a collective keeps the others waiting"
+            + (
+                f". Ranks {stuck} could not be stopped (blocked outside Python) and still run"
+                if stuck
+                else ""
+            )
         )
     if errors:
         raise _failure(errors, layout)

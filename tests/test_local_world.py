@@ -7,11 +7,12 @@ for bit."""
 from __future__ import annotations
 
 import functools
+import os
 import random
-import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +133,7 @@ def test_a_rank_that_skips_a_collective_is_named_not_hung() -> None:
     with pytest.raises(LocalRankError) as info:
         run_local(skip, 4, tensor=2)
     text = str(info.value)
-    assert "rank 2 waits for all_reduce(float32[2]) (call 1 on group [2, 3])" in text
+    assert "rank 2 waits for all_reduce[SUM](float32[2]) (its call 1 on the tensor group [2, 3])" in text
     assert "the real job would hang" in text and "ranks finished: 0, 1, 3" in text
 
 
@@ -148,10 +149,8 @@ def test_different_collectives_at_one_place_are_named_on_both_ranks() -> None:
         run_local(mixed, 2, tensor=2)
     text = str(info.value)
     assert "2 of 2 simulated ranks failed" in text and "LocalMismatch" in text
-    assert re.search(
-        r"rank 1 called broadcast\[root 0\]\(float32\[2\]\) as call \d+ on group \[0, 1\], where rank 0 called all_reduce",
-        text,
-    )
+    want = "rank 1 called broadcast[root 0](float32[2]) as its call 1 on the world group [0, 1], where rank 0 called"
+    assert want in text
 
 
 def test_a_raising_rank_is_named_with_its_place_and_its_peers_are_released() -> None:
@@ -193,21 +192,23 @@ def test_point_to_point_mismatches_and_any_source_are_refused_by_name() -> None:
         run_local(anyone, 2, timeout=30)
 
 
-def test_a_rank_that_never_reaches_a_collective_is_named_at_the_timeout() -> None:
-    release = threading.Event()
-
-    def stall() -> None:
+def test_a_rank_that_never_reaches_a_collective_is_named_and_stopped_at_the_timeout() -> None:
+    def spin() -> None:
+        dist.all_reduce(torch.ones(1))
         if dist.get_rank() == 1:
-            release.wait(30)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:  # never reaches the next collective in time
+                pass
         dist.all_reduce(torch.ones(1))
 
-    try:
-        with pytest.raises(
-            LocalRankError, match=r"within 1 s \(2 ranks left\): rank 1 runs; rank 0 waits for all_reduce"
-        ):
-            run_local(stall, 2, timeout=1)
-    finally:
-        release.set()
+    begin = time.monotonic()
+    with pytest.raises(
+        LocalRankError,
+        match=r"within 1 s \(2 ranks left\): rank 1 runs; ranks 0 can run once it reaches a collective",
+    ):
+        run_local(spin, 2, timeout=1)
+    assert time.monotonic() - begin < 10  # the spinning rank was stopped, not waited for
+    assert not [t for t in threading.enumerate() if t.name.startswith("parallelctx-local-rank")]
     assert type(gpc) is parallelctx.ParallelContext and not dist.is_initialized()
 
 
@@ -223,6 +224,120 @@ def test_a_local_world_needs_gpc_unlaunched_and_does_not_nest() -> None:
             run_local(lambda: None, 2)
     finally:
         gpc.destroy()
+
+
+# ------------------------------------------------------------------------------ as a real backend
+def test_messages_on_two_groups_between_the_same_ranks_do_not_mix() -> None:
+    def cross() -> tuple[float, float] | None:
+        pair = dist.new_group([0, 1])
+        if dist.get_rank() == 0:
+            works = [
+                dist.isend(torch.tensor([1.0]), dst=1),
+                dist.isend(torch.tensor([2.0]), dst=1, group=pair),
+            ]
+            for w in works:
+                w.wait()
+            return None
+        a, b = torch.zeros(1), torch.zeros(1)
+        dist.recv(a, src=0, group=pair)  # the pair's message first, as gloo delivers per group
+        dist.recv(b, src=0)
+        return a.item(), b.item()
+
+    assert run_local(cross, 2)[1] == (2.0, 1.0)
+
+
+def test_two_ranks_that_both_send_first_are_named_as_a_hang() -> None:
+    def head_to_head() -> None:
+        other = 1 - dist.get_rank()
+        dist.send(torch.ones(4), dst=other)  # gloo's send waits for the recv: this hangs for real
+        dist.recv(torch.ones(4), src=other)
+
+    with pytest.raises(
+        LocalRankError, match=r"rank 0 waits for its send to rank 1 \(tag 0\) on the world group"
+    ):
+        run_local(head_to_head, 2)
+
+
+def test_async_collectives_on_two_groups_in_opposite_orders_complete_as_on_gloo() -> None:
+    def crossed() -> tuple[float, float]:
+        a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+        x, y = torch.tensor([1.0 + dist.get_rank()]), torch.tensor([10.0 + 10 * dist.get_rank()])
+        order = [(a, x), (b, y)] if dist.get_rank() == 0 else [(b, y), (a, x)]
+        works = [dist.all_reduce(t, group=g, async_op=True) for g, t in order]
+        for w in works:
+            w.wait()
+        return x.item(), y.item()
+
+    assert run_local(crossed, 2) == [(3.0, 30.0), (3.0, 30.0)]
+
+
+WRONG = {
+    "dtype": r"all_reduce\[SUM\]\(float64\[2\]\) as its call 1 .*called all_reduce\[SUM\]\(float32\[2\]\): the members must agree",
+    "shape": r"broadcast\[root 0\]\(float32\[4\]\) as its call 1 .*called broadcast\[root 0\]\(float32\[1\]\)",
+    "op": r"all_reduce\[SUM\]\(float32\[1\]\) as its call 1 .*called all_reduce\[MAX\]\(float32\[1\]\)",
+    "view": r"all_reduce got a non-contiguous tensor float32\[3\] \(strides \(2,\)\): gloo reads and writes the wrong",
+    "gather": r"all_gather: an output is float32\[3\] where float32\[1\] is needed",
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG))
+def test_what_a_real_backend_would_garble_is_refused_by_name(case: str) -> None:
+    def wrong() -> None:
+        me = dist.get_rank()
+        if case == "dtype":
+            dist.all_reduce(torch.ones(2, dtype=torch.float64 if me else torch.float32))
+        elif case == "shape":
+            dist.broadcast(torch.ones(4 if me else 1), src=0)
+        elif case == "op":
+            dist.all_reduce(torch.ones(1), op=dist.ReduceOp.SUM if me else dist.ReduceOp.MAX)
+        elif case == "view":
+            dist.all_reduce(torch.ones(3, 2)[:, 0])
+        else:
+            dist.all_gather([torch.zeros(3), torch.zeros(3)], torch.ones(1))
+
+    with pytest.raises(LocalRankError, match=WRONG[case]):
+        run_local(wrong, 2)
+
+
+def test_outputs_that_alias_the_inputs_get_what_gloo_gives() -> None:
+    def aliased() -> list[float]:
+        me = dist.get_rank()
+        xs = [torch.tensor([float(10 * me + j)]) for j in range(2)]
+        dist.all_to_all(xs, xs)  # the outputs are the inputs
+        return [x.item() for x in xs]
+
+    assert run_local(aliased, 2) == [[0.0, 10.0], [1.0, 11.0]]
+
+
+def test_each_rank_has_its_own_args_environment_and_dtype_and_the_process_gets_its_own_back() -> None:
+    model = nn.Linear(2, 2)
+    before = model.weight.detach().clone()
+    os.environ.pop("LOCAL_TEST_VALUE", None)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+
+    def step(m: nn.Linear) -> tuple:
+        with torch.no_grad():
+            m.weight += 1.0  # each rank's own copy, as each real rank unpickles its own
+        os.environ["LOCAL_TEST_VALUE"] = str(dist.get_rank())
+        if dist.get_rank() == 1:
+            torch.set_default_dtype(torch.float64)
+        dist.barrier()
+        return (
+            m.weight.detach().clone(),
+            os.environ["LOCAL_TEST_VALUE"],
+            os.environ["RANK"],
+            torch.get_default_dtype(),
+        )
+
+    got = run_local(step, 2, args=(model,))
+    for rank, (weight, value, env_rank, dtype) in enumerate(got):
+        assert torch.equal(weight, before + 1.0) and value == env_rank == str(rank)
+        assert dtype == (torch.float64 if rank == 1 else torch.float32)
+    assert torch.equal(model.weight, before)
+    assert "LOCAL_TEST_VALUE" not in os.environ and torch.get_default_dtype() == torch.float32
+    assert torch.equal(torch.rand(3), expected)  # the process's generator as before the run
 
 
 # ------------------------------------------------------------------------------ model code

@@ -609,11 +609,49 @@ def _run_local(item: pytest.Function, world_size: int, config: dict[str, Any], t
     (:func:`parallelctx.local.run_local`), with the fixtures' values this process made."""
     from parallelctx.local import LocalRankError, run_local
 
-    args = {name: item.funcargs[name] for name in item._fixtureinfo.argnames if name != LAYOUT_ARG}
+    names = [name for name in item._fixtureinfo.argnames if name != LAYOUT_ARG]
+    # run_local gives each rank its own deep copy of these (as each real rank makes its own):
+    # tensors, modules and optimizers a fixture returns; the other values (tmp_path, monkeypatch,
+    # request) are the pytest process's own, shared by the ranks
+    own = tuple(_rank_copy(item.funcargs[name]) for name in names)
+
+    def body(*values: Any) -> Any:
+        return item.obj(**{name: v.value if isinstance(v, _Shared) else v for name, v in zip(names, values)})
+
+    failure = None
     try:
-        run_local(lambda: item.obj(**args), world_size, config, timeout=timeout)
+        run_local(body, world_size, config, args=own, timeout=timeout)
     except LocalRankError as exc:  # it names the ranks and holds the first one's traceback
-        pytest.fail(str(exc), pytrace=False)
+        failure = str(exc)
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+
+
+class _Shared:
+    """A fixture value every rank of a local test shares (deep-copying it keeps the one object)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Shared:
+        return self
+
+
+def _rank_copy(value: Any) -> Any:
+    """The value as each rank of a local test gets it: copied per rank when it holds tensors,
+    modules or optimizers (plain containers of them too), else shared."""
+    import torch
+
+    def owned(v: Any) -> bool:
+        if isinstance(v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            return True
+        if isinstance(v, (list, tuple)):
+            return any(owned(x) for x in v)
+        if isinstance(v, dict):
+            return any(owned(x) for x in v.values())
+        return False
+
+    return value if owned(value) else _Shared(value)
 
 
 def _run_simulated(
