@@ -299,6 +299,30 @@ def test_what_a_real_backend_would_garble_is_refused_by_name(case: str) -> None:
         run_local(wrong, 2)
 
 
+def test_the_coalesced_forms_give_each_calls_result() -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    def coalesced() -> list:
+        me, group = dist.get_rank(), gpc.get_group(M.GLOBAL)
+        outs = [[torch.zeros(1) for _ in range(2)], [torch.zeros(2) for _ in range(2)]]
+        dist.all_gather_coalesced(outs, [torch.tensor([float(me)]), torch.tensor([me, 10.0 * me])])
+        gathered = funcol.all_gather_into_tensor_coalesced(
+            [torch.tensor([1.0 + me]), torch.tensor([5.0 + me])], group
+        )
+        scattered = funcol.reduce_scatter_tensor_coalesced(
+            [torch.arange(2.0) + me, torch.arange(4.0)], "sum", [0, 0], group
+        )
+        return [
+            [t.tolist() for row in outs for t in row],
+            [t.tolist() for t in gathered],
+            [t.tolist() for t in scattered],
+        ]
+
+    got = run_local(coalesced, 2)
+    assert got[0] == [[[0.0], [1.0], [0.0, 0.0], [1.0, 10.0]], [[1.0, 2.0], [5.0, 6.0]], [[1.0], [0.0, 2.0]]]
+    assert got[1][2] == [[3.0], [4.0, 6.0]]
+
+
 def test_outputs_that_alias_the_inputs_get_what_gloo_gives() -> None:
     def aliased() -> list[float]:
         me = dist.get_rank()

@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
 from torch.futures import Future
 
 __all__ = [
@@ -114,11 +113,31 @@ class _Pending(_Work):
         return fut
 
 
-def done_work(result: Any = None) -> Any:
-    """Return a ``Work`` that is already complete with ``result``."""
-    fut: Future = Future()
-    fut.set_result(result)
-    return _create_work_from_future(fut)
+class _AllOf(_Work):
+    """The work of several calls made as one (torch's coalesced forms): done when all are."""
+
+    def __init__(self, works: Sequence[Any], result: Any) -> None:
+        super().__init__()
+        self._works, self._result = list(works), result
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def get_future(self) -> Future:
+        self.wait()
+        fut: Future = Future()
+        fut.set_result(self._result)
+        return fut
+
+
+def all_of(works: Sequence[Any], result: Any) -> Any:
+    """Return one ``Work`` for ``works``, done when each is (``result``: what its future holds)."""
+    return _AllOf(works, result)
 
 
 @dataclass

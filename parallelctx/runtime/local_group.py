@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .local import LocalWorld, RankThread, Recv, done_work
+from .local import LocalWorld, RankThread, Recv, all_of
 
 __all__ = ["BACKEND", "LocalGroup", "register_backend"]
 
@@ -216,10 +216,9 @@ class LocalGroup(_ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        works = [self._reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs)]
-        for w in works[:-1]:
-            w.wait()
-        return works[-1] if works else done_work(outputs)
+        return all_of(
+            [self._reduce_scatter_base(out, inp, opts) for out, inp in zip(outputs, inputs)], outputs
+        )
 
     # ------------------------------------------------------------------ gathers
     def allgather(
@@ -259,18 +258,12 @@ class LocalGroup(_ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        works = [self._allgather_base(out, inp, opts) for out, inp in zip(outputs, inputs)]
-        for w in works[:-1]:
-            w.wait()
-        return works[-1] if works else done_work(outputs)
+        return all_of([self._allgather_base(out, inp, opts) for out, inp in zip(outputs, inputs)], outputs)
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        works = [self.allgather([out], [inp], opts) for out, inp in zip(outputs, inputs)]
-        for w in works[:-1]:
-            w.wait()
-        return works[-1] if works else done_work(outputs)
+        return all_of([self.allgather([out], [inp], opts) for out, inp in zip(outputs, inputs)], outputs)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         root = _root(opts)
