@@ -113,10 +113,15 @@ def _thread_worlds() -> Iterator[None]:
 @contextlib.contextmanager
 def _process_state() -> Iterator[None]:
     """What each rank has alone (the default generators, the default dtype, the environment)
-    is the process's own again after the body: the ranks swap theirs in and out."""
+    is the process's own again after the body: the ranks swap theirs in and out. Inside, torch
+    computes on ``OMP_NUM_THREADS`` threads (1 unless set), as torchrun's ranks do."""
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
-    dtype = torch.get_default_dtype()
+    dtype, threads = torch.get_default_dtype(), torch.get_num_threads()
     env = dict(os.environ)
+    # torchrun runs each rank on OMP_NUM_THREADS threads, 1 unless set: a sum split over another
+    # number of threads adds in another order
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         yield
     finally:
@@ -124,6 +129,7 @@ def _process_state() -> Iterator[None]:
         random.setstate(rng[1])
         np.random.set_state(rng[2])
         torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
         put_environ(env)
 
 

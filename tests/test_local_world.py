@@ -6,6 +6,7 @@ for bit."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
@@ -133,7 +134,7 @@ def test_a_rank_that_skips_a_collective_is_named_not_hung() -> None:
     with pytest.raises(LocalRankError) as info:
         run_local(skip, 4, tensor=2)
     text = str(info.value)
-    assert "rank 2 waits for all_reduce[SUM](float32[2]) (its call 1 on the tensor group [2, 3])" in text
+    assert "rank 2 waits for all_reduce[SUM] of float32[2] (its call 1 on the tensor group [2, 3])" in text
     assert "the real job would hang" in text and "ranks finished: 0, 1, 3" in text
 
 
@@ -149,7 +150,7 @@ def test_different_collectives_at_one_place_are_named_on_both_ranks() -> None:
         run_local(mixed, 2, tensor=2)
     text = str(info.value)
     assert "2 of 2 simulated ranks failed" in text and "LocalMismatch" in text
-    want = "rank 1 called broadcast[root 0](float32[2]) as its call 1 on the world group [0, 1], where rank 0 called"
+    want = "rank 1 called broadcast[root 0] of float32[2] as its call 1 on the world group [0, 1], where rank 0 called"
     assert want in text
 
 
@@ -272,9 +273,9 @@ def test_async_collectives_on_two_groups_in_opposite_orders_complete_as_on_gloo(
 
 
 WRONG = {
-    "dtype": r"all_reduce\[SUM\]\(float64\[2\]\) as its call 1 .*called all_reduce\[SUM\]\(float32\[2\]\): the members must agree",
-    "shape": r"broadcast\[root 0\]\(float32\[4\]\) as its call 1 .*called broadcast\[root 0\]\(float32\[1\]\)",
-    "op": r"all_reduce\[SUM\]\(float32\[1\]\) as its call 1 .*called all_reduce\[MAX\]\(float32\[1\]\)",
+    "dtype": r"all_reduce\[SUM\] of float64\[2\] as its call 1 .*called all_reduce\[SUM\] of float32\[2\]: the members must agree",
+    "shape": r"broadcast\[root 0\] of float32\[4\] as its call 1 .*called broadcast\[root 0\] of float32\[1\]",
+    "op": r"all_reduce\[SUM\] of float32\[1\] as its call 1 .*called all_reduce\[MAX\] of float32\[1\]",
     "view": r"all_reduce got a non-contiguous tensor float32\[3\] \(strides \(2,\)\): gloo reads and writes the wrong",
     "gather": r"all_gather: an output is float32\[3\] where float32\[1\] is needed",
 }
@@ -321,6 +322,40 @@ def test_the_coalesced_forms_give_each_calls_result() -> None:
     got = run_local(coalesced, 2)
     assert got[0] == [[[0.0], [1.0], [0.0, 0.0], [1.0, 10.0]], [[1.0, 2.0], [5.0, 6.0]], [[1.0], [0.0, 2.0]]]
     assert got[1][2] == [[3.0], [4.0, 6.0]]
+
+
+def test_a_wait_returns_only_once_its_own_call_is_done() -> None:
+    # rank 2 waits on an irecv while its async all_reduce completes: that must not end the wait
+    def spurious() -> tuple | None:
+        pair = dist.new_group([1, 2])
+        me = dist.get_rank()
+        if me == 0:
+            dist.recv(torch.zeros(1), src=1)
+            dist.send(torch.tensor([10.0, 20.0, 30.0]), dst=2)
+        elif me == 1:
+            dist.recv(torch.zeros(1), src=2)
+            dist.all_reduce(torch.ones(1), group=pair)
+            dist.send(torch.ones(1), dst=0)
+        else:
+            pending = dist.all_reduce(torch.ones(1), group=pair, async_op=True)
+            dist.send(torch.ones(1), dst=1)
+            box = torch.full((3,), -1.0)
+            work = dist.irecv(box, src=0)
+            work.wait()
+            done, got = work.is_completed(), box.clone()
+            pending.wait()
+            return got.tolist(), done
+        return None
+
+    assert run_local(spurious, 3)[2] == ([10.0, 20.0, 30.0], True)
+
+
+def test_ranks_compute_on_one_thread_as_torchruns_do() -> None:
+    threads = torch.get_num_threads()
+    os.environ.pop("OMP_NUM_THREADS", None)
+    got = run_local(lambda: (torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]), 2)
+    assert got == [(1, "1"), (1, "1")]
+    assert torch.get_num_threads() == threads and "OMP_NUM_THREADS" not in os.environ
 
 
 def test_outputs_that_alias_the_inputs_get_what_gloo_gives() -> None:
@@ -465,6 +500,54 @@ def test_a_1f1b_schedule_without_the_data_all_reduce_is_caught() -> None:
         run_local(functools.partial(_one_f_one_b, reduce_data=False), 16, tensor=2, pipeline=2)
 
 
+def _stage_block(i: int) -> nn.Module:
+    gen = _gen(100 + i)
+    lin = nn.Linear(6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(6, 6, generator=gen, dtype=torch.float64) * 0.5)
+        lin.bias.copy_(torch.randn(6, generator=gen, dtype=torch.float64) * 0.1)
+    return nn.Sequential(lin, nn.Tanh())
+
+
+def _interleaved() -> list:
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    from parallelctx.pipelining import num_stages, stage_indices
+
+    blocks = {i: _stage_block(i) for i in stage_indices()}
+    stages = [
+        PipelineStage(m, i, num_stages(), gpc.device, group=gpc.get_group(M.PIPELINE))
+        for i, m in blocks.items()
+    ]
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=_mse)
+    x, target = (torch.randn(8, 6, generator=_gen(7), dtype=torch.float64) for _ in range(2))
+    if gpc.is_pipeline_first_stage():
+        schedule.step(x)
+    elif gpc.is_pipeline_last_stage():
+        schedule.step(target=target)
+    else:
+        schedule.step()
+    return [(i, [p.grad for p in m.parameters()]) for i, m in blocks.items()]
+
+
+@pytest.mark.slow  # 3 s: make test-slow
+def test_an_interleaved_1f1b_schedule_with_virtual_stages_equals_the_serial_model() -> None:
+    got = run_local(_interleaved, 4, dict(parallel=dict(tensor=1, pipeline=dict(size=4, virtual=2))))
+    blocks = [_stage_block(i) for i in range(8)]
+    x, target = (torch.randn(8, 6, generator=_gen(7), dtype=torch.float64) for _ in range(2))
+    for xm, tm in zip(x.chunk(8), target.chunk(8)):
+        out = xm
+        for block in blocks:
+            out = block(out)
+        (_mse(out, tm) / 8).backward()
+    seen = sorted(i for rank in got for i, _ in rank)
+    assert seen == list(range(8))
+    for rank in got:
+        for i, grads in rank:
+            for g, p in zip(grads, blocks[i].parameters()):
+                torch.testing.assert_close(g, p.grad, rtol=1e-12, atol=1e-14)
+
+
 # ------------------------------------------------------------------------------ Megatron-core
 @pytest.mark.parametrize("explicit", [False, True], ids=["getters", "pg_collection"])
 def test_megatron_column_then_row_parallel_at_tensor_8_equals_serial(explicit: bool) -> None:
@@ -541,6 +624,23 @@ def test_the_marker_runs_every_rank_with_the_fixtures_made_once(tmp_path: Path) 
     seen = sorted(p.name for p in tmp_path.iterdir())
     assert seen == [f"rank-{r}" for r in range(8)]
     assert gpc.get_world_size(M.DATA) == 2 and dist.get_world_size() == 8
+
+
+@dataclasses.dataclass
+class _Holder:
+    tensor: torch.Tensor
+
+
+@pytest.fixture
+def holder() -> _Holder:
+    return _Holder(torch.zeros(1))
+
+
+@pytest.mark.parallel(world_size=2, local=True)
+def test_the_marker_copies_fixture_values_per_rank_as_real_ranks_make_their_own(holder: _Holder) -> None:
+    holder.tensor += 1 + dist.get_rank()  # a real rank's fixture object is its own
+    dist.barrier()
+    assert holder.tensor.item() == 1 + dist.get_rank()
 
 
 # ------------------------------------------------------------------------------ against real ranks

@@ -283,16 +283,17 @@ class LocalWorld:
         Raises:
             LocalDeadlock: no rank can run any more while this one waits, or the world was given up.
         """
-        with self._lock:
-            if self.abandoned:
-                raise LocalDeadlock(self._failure or "the local world was given up")
-            if ready():
-                return
-            self._state[rank] = "waiting"
-            self._waits[rank] = what
-            self._own[rank] = self._take()
-            self._pass(rank)
-        self._await(rank)
+        while True:  # a rank is woken by any call of its groups that ended: look again
+            with self._lock:
+                if self.abandoned:
+                    raise LocalDeadlock(self._failure or "the local world was given up")
+                if ready():
+                    return
+                self._state[rank] = "waiting"
+                self._waits[rank] = what
+                self._own[rank] = self._take()
+                self._pass(rank)
+            self._await(rank)
 
     def wake(self, rank: int) -> None:
         """Make a waiting rank ready to run again (the caller holds the world's lock)."""

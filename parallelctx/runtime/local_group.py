@@ -128,7 +128,7 @@ class LocalGroup(_ProcessGroup):
         work: Callable[[list[Any]], str | None],
         result: Any = None,
     ) -> Any:
-        call = (kind, agree, f"{kind}({', '.join(_shape(t) for t in shown)})")
+        call = (kind, agree, f"{kind} of {', '.join(_shape(t) for t in shown) or 'nothing'}")
         return self._world.collective(self._channel, self._rank_global, call, mine, work, result)
 
     # ------------------------------------------------------------------ reductions

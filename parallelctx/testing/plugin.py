@@ -610,9 +610,9 @@ def _run_local(item: pytest.Function, world_size: int, config: dict[str, Any], t
     from parallelctx.local import LocalRankError, run_local
 
     names = [name for name in item._fixtureinfo.argnames if name != LAYOUT_ARG]
-    # run_local gives each rank its own deep copy of these (as each real rank makes its own):
-    # tensors, modules and optimizers a fixture returns; the other values (tmp_path, monkeypatch,
-    # request) are the pytest process's own, shared by the ranks
+    # run_local gives each rank its own deep copy of these (as each real rank makes its own
+    # values), except pytest's own objects (monkeypatch, capsys, request, tmp_path_factory) and
+    # values that cannot be copied, which the ranks share
     own = tuple(_rank_copy(item.funcargs[name]) for name in names)
 
     def body(*values: Any) -> Any:
@@ -638,20 +638,21 @@ class _Shared:
 
 
 def _rank_copy(value: Any) -> Any:
-    """The value as each rank of a local test gets it: copied per rank when it holds tensors,
-    modules or optimizers (plain containers of them too), else shared."""
-    import torch
+    """The value as each rank of a local test gets it: deep-copied per rank (run_local copies
+    its args), or shared (:class:`_Shared`) for pytest's own objects and values that cannot be
+    copied."""
+    import copy
+    import types
 
-    def owned(v: Any) -> bool:
-        if isinstance(v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
-            return True
-        if isinstance(v, (list, tuple)):
-            return any(owned(x) for x in v)
-        if isinstance(v, dict):
-            return any(owned(x) for x in v.values())
-        return False
-
-    return value if owned(value) else _Shared(value)
+    if type(value).__module__.startswith(("_pytest", "pytest")) or isinstance(
+        value, (types.ModuleType, types.FunctionType, type)
+    ):
+        return _Shared(value)
+    try:
+        copy.deepcopy(value)
+    except Exception:  # a lock, a socket, a process handle: one per process anyway
+        return _Shared(value)
+    return value
 
 
 def _run_simulated(
