@@ -30,7 +30,8 @@ Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
   ``Replicate``: a functional all-gather) while rank 0 sleeps. Rank 1 names rank 0 missing in
   the tensor group's third call, ``all_gather_into_tensor``; ranks 2 and 3 complete.
 * ``healthy``: 200 steps of all-reduces on the data, tensor and global groups and a CPU-group
-  all_gather_object, with ``after`` = 1 s: no report may come.
+  all_gather_object, with ``after`` = 3 s, then idle past ``after``: no report may come (a call
+  the watch wrongly kept pending would be reported while idle).
 
 Writes OUT/rank-<R>.json: the reports (as dicts, with the seconds from the call's entry to the
 report), what the pending call raised and when, and the relaunch's all-reduce.
@@ -55,7 +56,7 @@ from parallelctx import HangReport, ParallelMode, gpc
 AFTER = {
     "skip": 4.0,  # a 2-core CI machine running 8 ranks has been seen to start a rank ~3 s late
     "mismatch": 2.0,
-    "healthy": 1.0,
+    "healthy": 3.0,  # 1 s: a loaded 2-core machine once kept a healthy all-reduce waiting longer
     "slow": 1.0,
     "async": 1.0,
     "per_rank_shapes": 1.0,
@@ -137,6 +138,7 @@ def main() -> int:
                 names: list = [None] * gpc.get_world_size(ParallelMode.DATA)
                 dist.all_gather_object(names, step, group=gpc.get_cpu_group(ParallelMode.DATA))
         dist.barrier()
+        time.sleep(AFTER["healthy"] + 1.0)  # nothing pending now: a call left pending would be reported
         record["steps"] = 200
     else:
         stuck = rank in (1, 5, 7) if scenario == "skip" else rank in (0, 1)
