@@ -131,6 +131,13 @@ class LocalGroup(_ProcessGroup):
         call = (kind, agree, f"{kind} of {', '.join(_shape(t) for t in shown) or 'nothing'}")
         return self._world.collective(self._channel, self._rank_global, call, mine, work, result)
 
+    def _row(self, kind: str, what: str, row: Sequence[torch.Tensor], like: torch.Tensor) -> None:
+        """Check one tensor per member in ``row``, each shaped and typed as ``like``."""
+        if len(row) != self.size():
+            raise ValueError(f"{kind}: {len(row)} {what}s for a group of {self.size()}")
+        for t in row:
+            _same_as(kind, f"an {what}", t, like)
+
     # ------------------------------------------------------------------ reductions
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         op = _op(opts)
@@ -180,10 +187,7 @@ class LocalGroup(_ProcessGroup):
         op = _op(opts)
         _dense("reduce_scatter", [*outputs, *(t for row in inputs for t in row)])
         for out, row in zip(outputs, inputs):
-            if len(row) != self.size():
-                raise ValueError(f"reduce_scatter: {len(row)} inputs for a group of {self.size()}")
-            for t in row:
-                _same_as("reduce_scatter", "an input", t, out)
+            self._row("reduce_scatter", "input", row, out)
 
         def work(data: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]) -> None:
             results = [
@@ -226,10 +230,7 @@ class LocalGroup(_ProcessGroup):
     ) -> Any:
         _dense("all_gather", [*inputs, *(t for row in outputs for t in row)])
         for row, inp in zip(outputs, inputs):
-            if len(row) != self.size():
-                raise ValueError(f"all_gather: {len(row)} outputs for a group of {self.size()}")
-            for t in row:
-                _same_as("all_gather", "an output", t, inp)
+            self._row("all_gather", "output", row, inp)
 
         def work(data: list[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]) -> None:
             sent = [[t.clone() for t in d[1]] for d in data]
@@ -269,10 +270,7 @@ class LocalGroup(_ProcessGroup):
         root = _root(opts)
         _dense("gather", [*inputs, *(t for row in outputs for t in row)])
         if self.rank() == root:
-            if not outputs or len(outputs[0]) != self.size():
-                raise ValueError(f"gather: the root needs {self.size()} outputs")
-            for t in outputs[0]:
-                _same_as("gather", "an output", t, inputs[0])
+            self._row("gather", "output", outputs[0] if outputs else [], inputs[0])
 
         def work(data: list[tuple[list[list[torch.Tensor]], list[torch.Tensor]]]) -> None:
             for src, t in enumerate(data[root][0][0]):
@@ -284,10 +282,7 @@ class LocalGroup(_ProcessGroup):
         root = _root(opts)
         _dense("scatter", [*outputs, *(t for row in inputs for t in row)])
         if self.rank() == root:
-            if not inputs or len(inputs[0]) != self.size():
-                raise ValueError(f"scatter: the root needs {self.size()} inputs")
-            for t in inputs[0]:
-                _same_as("scatter", "an input", t, outputs[0])
+            self._row("scatter", "input", inputs[0] if inputs else [], outputs[0])
 
         def work(data: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]]) -> None:
             sent = [t.clone() for t in data[root][1][0]]
