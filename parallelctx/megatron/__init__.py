@@ -162,9 +162,10 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
     """
     global _state
     layout = _require_launched("install()")
+    release = _release.check()
     # In a local world (parallelctx.run_local) the ranks are threads sharing these modules: each
     # rank keeps its own parallel_state globals, RNG tracker hooks and install state.
-    keep_per_rank(ps, *sorted(_release.check().globals))
+    keep_per_rank(ps, *sorted(release.globals))
     keep_per_rank(_mrandom, *SWAPPED)
     keep_per_rank(sys.modules[__name__], "_state")
     if _state is not None:
@@ -177,7 +178,6 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
             "megatron.core.parallel_state is already initialised (Megatron's initialize_model_parallel ran); "
             "call parallel_state.destroy_model_parallel() first, or use only one of the two"
         )
-    release = _release.check()
     _require_gtp(layout, release)
     if virtual_pipeline_model_parallel_size is not None:
         options["virtual_pipeline_model_parallel_size"] = virtual_pipeline_model_parallel_size
