@@ -546,7 +546,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if simulated is not None:
         _run_simulated(pyfuncitem, world_size, simulated, config, timeout, layout)
         return True
-    if marker.kwargs.get("local"):
+    if _is_local(pyfuncitem):
         _run_local(pyfuncitem, world_size, config, timeout)
         return True
     pools: PoolSet = pyfuncitem.config.stash[_POOLS]
