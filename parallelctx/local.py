@@ -158,7 +158,8 @@ def run_local(
 ) -> list[Any]:
     """Run ``fn(*args)`` as every rank of a ``world_size``-rank job in this process, ``gpc``
     launched on each for ``config`` with the parallel ``sizes`` over it (``tensor=8``,
-    ``pipeline=4``, ``order="tp-dp-pp"``, ...).
+    ``pipeline=4``, ``order="tp-dp-pp"``, ...: each replaces that key of the ``parallel`` section;
+    sub-keys such as the expert tensor size go in ``config``).
 
     Returns:
         Each rank's return value, by rank.
