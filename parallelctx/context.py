@@ -40,7 +40,7 @@ from .runtime.meetings import Meetings, init_default_group
 from .runtime.reform import Reformed, prepare
 from .runtime.rendezvous import Arrival
 from .runtime.rngstate import RNGState
-from .runtime.seed import RNGStreams, Stream, parse_stream
+from .runtime.seed import RNGStreams, Stream
 from .runtime.startup import Launched, resolve_backend
 
 __all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc", "resolve_backend"]
@@ -60,6 +60,7 @@ class ParallelContext(ModeViews):
         self._guard = Guard()
         self._meetings = Meetings(self._guard.aborted)
         self._dry_run: DryRun | None = None
+        self._modules: dict[str, ModuleContext] = {}
         self._reset()
 
     @property
@@ -82,12 +83,43 @@ class ParallelContext(ModeViews):
         self._adopt(Launched())
 
     def _adopt(self, value: Launched) -> None:
-        """Make ``value`` this context's launch state: the one writer of it."""
+        """Make ``value`` this context's launch state: the one writer of it (and of the module
+        contexts' states, :meth:`module`)."""
         self._launched = value
         self._layout, self._timeout = value.layout, value.timeout
         self._answers.fill(value.rank, value.world_size, value.groups, value.layout)
         for mode, name in VIEW_NAMES.items():
             setattr(self, name, self._answers.views.get(mode) or Unlaunched(name))
+        for module_name, ctx in getattr(self, "_modules", {}).items():
+            ctx._adopt(value.for_module(module_name) if module_name in value.modules else Launched())
+
+    # ------------------------------------------------------------------ modules
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules of ``parallel.modules`` this rank belongs to, in the config's order (``()``
+        for a job without modules, or before launch)."""
+        return self._launched.modules
+
+    def module(self, name: str) -> ParallelContext:
+        """Return the context of module ``name`` (``parallel.modules``; docs/modules.md): every
+        query of gpc (ranks, groups, views, seeds, ``device_mesh``, the bridges' ``ctx=``)
+        answered for that module's layout on its ranks; its ``world`` is the module's ranks.
+        The same object for the same name; it follows gpc's launches and raises
+        NotLaunchedError once gpc is destroyed. Plain ``gpc`` answers for the rank's primary
+        module (the language module where the rank has it, else its first).
+
+        Raises:
+            NotLaunchedError: before launch.
+            LayoutError: the job has no modules, no module of that name, or this rank is not in
+                it (the message names its ranks and this rank's modules).
+        """
+        if self._launched.layout is None:
+            raise not_launched(f"gpc.module({name!r})")
+        value = self._launched.for_module(name)  # raises for a name this rank has no part in
+        if name not in self._modules:
+            self._modules[name] = ModuleContext(self, name)
+            self._modules[name]._adopt(value)
+        return self._modules[name]
 
     # ------------------------------------------------------------------ lifecycle
     def launch(
@@ -431,7 +463,7 @@ class ParallelContext(ModeViews):
         """Return the seed of ``mode``'s RNG stream on this rank (``mode`` may be ``"replica"``).
         Raises NotLaunchedError before :meth:`set_seed`, LayoutError for a name of no stream."""
         streams: RNGStreams = self.rng_streams
-        return streams.seeds[parse_stream(mode)]
+        return streams.seeds[self._launched.stream_key(mode)]
 
     @contextlib.contextmanager
     def seed(self, mode: Stream) -> Iterator[None]:
@@ -439,7 +471,7 @@ class ParallelContext(ModeViews):
         generators; ``"replica"``: the stream that differs across data-parallel replicas) and
         switches back after; the stream resumes where it stopped. Raises as :meth:`get_seed`."""
         streams: RNGStreams = self.rng_streams
-        with streams.fork(parse_stream(mode)):
+        with streams.fork(self._launched.stream_key(mode)):
             yield
 
     def get_rng_state(self) -> RNGState:
@@ -462,12 +494,44 @@ class ParallelContext(ModeViews):
         self._launched.restore_rng(state)
 
     def summary(self) -> str:
-        """Return the one-line launch summary."""
+        """Return the one-line launch summary (with modules: which module gpc answers for, and
+        the rank's modules)."""
+        v = self._launched
+        where = f"module {v.module} of {', '.join(v.modules)}: " if v.module is not None else ""
         return (
-            f"parallelctx: {self.layout.describe()} backend={self.backend} nodes={self.num_nodes} "
+            f"parallelctx: {where}{self.layout.describe()} backend={self.backend} nodes={self.num_nodes} "
             f"procs/node={self.num_processes_on_current_node} seed={self.config.seed} "
             f"groups made on this rank={self.group_creations}"
         )
+
+
+class ModuleContext(ParallelContext):
+    """``gpc.module(name)``: gpc's queries for one module's layout and groups; launching,
+    destroying, reforming and aborting stay gpc's (it shares gpc's guard and destroy hooks)."""
+
+    def __init__(self, parent: ParallelContext, name: str) -> None:
+        self._guard, self._meetings, self._dry_run, self._modules = parent._guard, parent._meetings, None, {}
+        self._parent, self.name = parent, name
+        self._reset()
+
+    def __repr__(self) -> str:
+        return f"<gpc.module({self.name!r})>"
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"gpc.module({self.name!r}) answers queries only: launch, destroy and reform gpc itself"
+        )
+
+    launch = load_config = init_global_dist = init_parallel_groups = set_device = set_seed = _refuse
+    detect_num_processes_on_current_node = reform = destroy = arm_dry_run = _refuse
+
+    def module(self, name: str) -> ParallelContext:
+        """gpc's :meth:`ParallelContext.module`; raises as it does."""
+        return self._parent.module(name)
+
+    def add_destroy_hook(self, hook: Callable[[], None], on_reform: Callable[[], None] | None = None) -> None:
+        """gpc's :meth:`ParallelContext.add_destroy_hook`; raises TypeError for a non-callable."""
+        self._parent.add_destroy_hook(hook, on_reform)
 
 
 gpc: ParallelContext = ParallelContext()

@@ -204,7 +204,7 @@ def _mesh(
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
-    world = np.arange(ctx.layout.world_size).reshape(shape)
+    world = np.arange(ctx.layout.offset, ctx.layout.offset + ctx.layout.world_size).reshape(shape)
     where = np.argwhere(world == ctx.get_global_rank())[0]
     groups = []
     for dim, (name, mode) in enumerate(zip(names, modes)):

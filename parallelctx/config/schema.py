@@ -22,6 +22,7 @@ from pydantic import (
 
 from ..planning.layout import DEFAULT_ORDER, Layout, LayoutError, parse_order
 from ..planning.limits import MAX_CONFIG_DEPTH, MAX_CONFIG_NODES, MAX_SEED
+from ..planning.modules import LANGUAGE, ModulePlan, check_spans
 from .errors import (
     OWNED_SECTIONS,
     ConfigError,
@@ -49,6 +50,7 @@ __all__ = [
     "DistConfig",
     "ExpertConfig",
     "HangReportConfig",
+    "ModuleConfig",
     "ParallelConfig",
     "Section",
     "load_config",
@@ -189,11 +191,8 @@ def _only_known_keys(section: str, value: Any, fields: tuple[str, ...]) -> Any:
     return value
 
 
-class ParallelConfig(BaseModel):
-    """The ``parallel`` section: sizes of the tensor, pipeline, context and expert axes and the
-    rank order string. The data size is derived (``world / (tensor*pipeline*context)``); when
-    ``data`` is given it is checked against that at launch. ``data=dict(replicate=R, shard=S)``
-    splits the data axis for HSDP (:class:`DataConfig`)."""
+class _Sizes(BaseModel):
+    """The sizes and order string of one layout: the ``parallel`` section's, and each module's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -206,14 +205,6 @@ class ParallelConfig(BaseModel):
     # Megatron-core 0.19's generalized tensor parallelism (weights sharded over gtp_remat ranks
     # of distinct data); the expert twin is expert.gtp_remat.
     gtp_remat: AxisConfig = AxisConfig()
-    # Which axis shrinks when ranks are lost and gpc.reform() goes on without them
-    # (planning/reform.py): "data", "replicate" (HSDP) or "off".
-    reform: Literal["data", "replicate", "off"] = "data"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, value: Any) -> Any:
-        return _only_known_keys("parallel", value, tuple(cls.model_fields))
 
     @field_validator("tensor", "pipeline", "context", "gtp_remat", mode="before")
     @classmethod
@@ -244,18 +235,7 @@ class ParallelConfig(BaseModel):
         """The expert-tensor size: ``expert.tensor``, else the tensor size."""
         return self.expert.tensor or self.tensor.size
 
-    def to_layout(self, world_size: int) -> Layout:
-        """Return the :class:`~parallelctx.layout.Layout` of these sizes and order on a world of
-        ``world_size`` ranks: the one place the config's sizes become a layout.
-
-        Returns:
-            The validated Layout.
-
-        Raises:
-            LayoutError: the sizes do not fit ``world_size``, ``data`` (or ``data.shard``) is
-                given and differs from the derived size, or ``data.replicate`` does not divide
-                the data size; the message names the values and the fix.
-        """
+    def _layout(self, world_size: int, offset: int = 0, where: str = "parallel") -> Layout:
         data = self.data
         layout = Layout(
             world_size,
@@ -268,19 +248,186 @@ class ParallelConfig(BaseModel):
             replicate=data.replicate,
             gtp_remat=self.gtp_remat.size,
             expert_gtp_remat=self.expert.gtp_remat,
+            offset=offset,
         )
+        ranks = "world_size" if where == "parallel" else f"{where}.ranks"
         if data.size is not None and data.size != layout.data:
             raise LayoutError(
-                f"parallel.data={data.size} but world_size={world_size} / (tensor x pipeline x "
-                f"context) = {layout.data}; drop parallel.data (it is derived) or fix the sizes"
+                f"{where}.data={data.size} but {ranks}={world_size} / (tensor x pipeline x "
+                f"context) = {layout.data}; drop {where}.data (it is derived) or fix the sizes"
             )
         if data.shard is not None and data.shard != layout.shard:
             raise LayoutError(
-                f"parallel.data.shard={data.shard} but world_size={world_size} / (tensor x pipeline x "
+                f"{where}.data.shard={data.shard} but {ranks}={world_size} / (tensor x pipeline x "
                 f"context x replicate={data.replicate}) = {layout.shard}; drop shard (it is derived) "
                 "or fix the sizes"
             )
         return layout
+
+
+class ModuleConfig(_Sizes):
+    """One module of ``parallel.modules``: its ranks and its own sizes.
+
+    ``ranks`` is how many ranks it holds and ``offset`` the first (default: right after the
+    module before it in the config, colocated modules counted once); ``colocated_with="name"``
+    puts it on exactly the ranks of another module instead. ``language=True`` makes it the
+    language module (default: the module named ``"language"``). The sizes are those of the
+    ``parallel`` section (``order`` defaults to the section's).
+    """
+
+    ranks: int | None = None
+    offset: int | None = None
+    colocated_with: StrictStr | None = None
+    language: StrictBool | None = None
+    order: StrictStr | None = None  # type: ignore[assignment]  # None: the parallel section's
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        return _only_known_keys("parallel.modules.<name>", value, tuple(cls.model_fields))
+
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _ranks_int(cls, value: Any) -> int | None:
+        return None if value is None else _strict_int(value, "ranks", 1)
+
+    @field_validator("offset", mode="before")
+    @classmethod
+    def _offset_int(cls, value: Any) -> int | None:
+        return None if value is None else _strict_int(value, "offset", 0)
+
+    @field_validator("order")
+    @classmethod
+    def _valid_order(cls, value: str | None) -> str | None:  # type: ignore[override]
+        return None if value is None else _Sizes._valid_order(value)
+
+
+class ParallelConfig(_Sizes):
+    """The ``parallel`` section: sizes of the tensor, pipeline, context and expert axes and the
+    rank order string. The data size is derived (``world / (tensor*pipeline*context)``); when
+    ``data`` is given it is checked against that at launch. ``data=dict(replicate=R, shard=S)``
+    splits the data axis for HSDP (:class:`DataConfig`).
+
+    ``modules=dict(name=dict(ranks=..., tensor=...), ...)`` gives the job several layouts, one
+    per module, each on its own ranks (:class:`ModuleConfig`; docs/modules.md); the sizes then
+    go in the modules, not beside them."""
+
+    # Which axis shrinks when ranks are lost and gpc.reform() goes on without them
+    # (planning/reform.py): "data", "replicate" (HSDP) or "off".
+    reform: Literal["data", "replicate", "off"] = "data"
+    modules: dict[StrictStr, ModuleConfig] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, value: Any) -> Any:
+        return _only_known_keys("parallel", value, tuple(cls.model_fields))
+
+    @model_validator(mode="after")
+    def _modules_fit(self) -> ParallelConfig:
+        if self.modules is not None:
+            sizes = [k for k in _Sizes.model_fields if k != "order" and k in self.model_fields_set]
+            if sizes:
+                raise ValueError(
+                    f"parallel.{sizes[0]} is given beside parallel.modules; with modules each module "
+                    f"has its own sizes: move {', '.join('parallel.' + k for k in sizes)} into the modules"
+                )
+            try:
+                self.module_plan()
+            except LayoutError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    def module_plan(self, world_size: int | None = None) -> ModulePlan:
+        """Return the :class:`~parallelctx.planning.modules.ModulePlan` of ``modules``: each
+        module's layout on its ranks, in the config's order.
+
+        Raises:
+            LayoutError: no ``modules``; a module with neither ``ranks`` nor ``colocated_with``,
+                or naming a module that does not exist; sizes that do not divide a module's
+                ranks; spans that overlap without being equal, leave a gap, or do not cover
+                ``world_size`` (when given). The message names the module, the key and the fix.
+        """
+        if not self.modules:
+            raise LayoutError("parallel.modules is not set: this job has one layout (to_layout)")
+        spans: dict[str, tuple[int, int]] = {}
+        end = 0
+        for name, mod in self.modules.items():
+            where = f"parallel.modules.{name}"
+            if mod.colocated_with is not None:
+                if mod.colocated_with not in self.modules or mod.colocated_with == name:
+                    raise LayoutError(
+                        f"{where}.colocated_with={mod.colocated_with!r} names no other module; "
+                        f"the modules are {', '.join(map(repr, self.modules))}"
+                    )
+                continue
+            if mod.ranks is None:
+                raise LayoutError(
+                    f"{where} has neither ranks nor colocated_with: give ranks=<count> (and offset=<first "
+                    "rank> if it is not right after the module before it) or colocated_with=<module>"
+                )
+            offset = end if mod.offset is None else mod.offset
+            spans[name] = (offset, mod.ranks)
+            end = max(end, offset + mod.ranks)
+        for name, mod in self.modules.items():
+            seen = [name]
+            target = name
+            while self.modules[target].colocated_with is not None:
+                target = str(self.modules[target].colocated_with)
+                if target in seen:
+                    raise LayoutError(
+                        f"parallel.modules: colocated_with goes round in a circle: {' -> '.join(seen)}"
+                    )
+                seen.append(target)
+            span = spans[target]
+            for key in ("ranks", "offset"):
+                given = getattr(mod, key)
+                if given is not None and given != span[0 if key == "offset" else 1]:
+                    raise LayoutError(
+                        f"parallel.modules.{name}.{key}={given} but it is colocated with {target!r}, "
+                        f"which holds ranks {span[0]}-{span[0] + span[1] - 1}: drop {key}"
+                    )
+            spans[name] = span
+        spans = {name: spans[name] for name in self.modules}
+        check_spans(spans, world_size)
+        layouts = {}
+        for name, mod in self.modules.items():
+            sizes = mod.model_copy(update={"order": mod.order or self.order})
+            try:
+                layouts[name] = sizes._layout(spans[name][1], spans[name][0], f"parallel.modules.{name}")
+            except LayoutError as exc:
+                text = str(exc).replace("world_size=", "ranks=")
+                prefix = f"parallel.modules.{name}"
+                raise LayoutError(text if text.startswith(prefix) else f"{prefix}: {text}") from None
+        flagged = [n for n, m in self.modules.items() if m.language]
+        if len(flagged) > 1:
+            raise LayoutError(
+                f"parallel.modules: {', '.join(map(repr, flagged))} all say language=True; one module is the language module"
+            )
+        language = flagged[0] if flagged else (LANGUAGE if LANGUAGE in self.modules else None)
+        if language is not None and self.modules[language].language is False:
+            language = None
+        return ModulePlan(layouts, language)
+
+    def to_layout(self, world_size: int) -> Layout:
+        """Return the :class:`~parallelctx.layout.Layout` of these sizes and order on a world of
+        ``world_size`` ranks: the one place the config's sizes become a layout.
+
+        Returns:
+            The validated Layout.
+
+        Raises:
+            LayoutError: the sizes do not fit ``world_size``, ``data`` (or ``data.shard``) is
+                given and differs from the derived size, or ``data.replicate`` does not divide
+                the data size; the message names the values and the fix. With ``modules``
+                (a layout per module): always, naming :meth:`module_plan`.
+        """
+        if self.modules:
+            raise LayoutError(
+                f"parallel.modules gives this job one layout per module ({', '.join(self.modules)}), "
+                "not one for the whole job: use parallel.module_plan(world_size) (gpc.module(name).layout "
+                "once launched)"
+            )
+        return self._layout(world_size)
 
 
 class HangReportConfig(BaseModel):

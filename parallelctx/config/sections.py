@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 #: The keys of the ``parallel`` section (``ParallelConfig``'s fields; a test keeps them equal).
-PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "data", "order", "gtp_remat", "reform")
+PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "data", "order", "gtp_remat", "reform", "modules")
 #: The keys of the ``dist`` section (``DistConfig``'s fields).
 DIST_KEYS = ("backend", "timeout", "init_method", "gloo_lazy_init", "hang_report")
 #: torchtitan's (``[parallelism]``) and Megatron's (``initialize_model_parallel``) names for the

@@ -322,8 +322,13 @@ class Layout:
     :attr:`shard` the inner part. Members of every group are listed in ascending global rank; a rank's
     local rank in a mode is its index in that list.
 
+    ``offset`` places the layout on the global ranks ``offset .. offset + world_size - 1`` (one
+    module of a job that runs several, :mod:`parallelctx.planning.modules`): every group, rank
+    and coordinate is then in global ranks, and ``world_size`` is the layout's own rank count.
+
     Raises:
-        LayoutError: sizes or an order string that cannot make a layout (see :func:`plan`).
+        LayoutError: sizes or an order string that cannot make a layout (see :func:`plan`), or
+            an offset that is negative or puts the last rank past the largest world.
     """
 
     world_size: int
@@ -336,6 +341,7 @@ class Layout:
     replicate: int = 1
     gtp_remat: int = 1
     expert_gtp_remat: int = 1
+    offset: int = 0
     _etp: int = field(init=False, repr=False, compare=False)
     _tokens: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _dense: _Grid = field(init=False, repr=False, compare=False)
@@ -369,6 +375,8 @@ class Layout:
         ):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_etp", sizes[5])
+        _check_offset(self.offset, self.world_size)
+        object.__setattr__(self, "offset", int(self.offset))
         _check_axes_named(self)
         named = parse_order(self.order)
         object.__setattr__(self, "_tokens", (*named, *(t for t in AXES if t not in named)))
@@ -449,7 +457,8 @@ class Layout:
             pipe = self.group_array(ParallelMode.PIPELINE)
             return pipe[:, [0, -1]] if self.pipeline > 1 else pipe
         grid, axes = self._grid_axes(mode)
-        return grid.group_array(axes)
+        rows = grid.group_array(axes)
+        return rows + self.offset if self.offset else rows
 
     def groups(self, mode: ParallelMode | str) -> list[list[int]]:
         """Return every group of ``mode`` as a list of ascending lists of global ranks.
@@ -478,7 +487,7 @@ class Layout:
             ends = sorted({pipe[0], pipe[-1]})
             return ends if rank in ends else []
         grid, axes = self._grid_axes(mode)
-        return grid.group_of(axes, rank).tolist()
+        return (grid.group_of(axes, rank - self.offset) + self.offset).tolist()
 
     def axes_groups(self, grid: str, axes: Iterable[str]) -> list[list[int]]:
         """Return every group spanning the order-string tokens ``axes`` (``dp`` is the whole
@@ -489,7 +498,7 @@ class Layout:
             LayoutError: an unknown grid or token.
         """
         g, spanned = self._grid_tokens(grid, axes)
-        return g.group_array(spanned).tolist()
+        return (g.group_array(spanned) + self.offset).tolist()
 
     def axes_group_of(self, grid: str, axes: Iterable[str], rank: int) -> list[int]:
         """Return the ascending members of the group of :meth:`axes_groups` holding ``rank``.
@@ -499,7 +508,7 @@ class Layout:
         """
         self._check_rank(rank)
         g, spanned = self._grid_tokens(grid, axes)
-        return g.group_of(spanned, rank).tolist()
+        return (g.group_of(spanned, rank - self.offset) + self.offset).tolist()
 
     def _grid_tokens(self, grid: str, axes: Iterable[str]) -> tuple[_Grid, tuple[str, ...]]:
         if grid not in (_DENSE, _EXPERT):
@@ -595,8 +604,8 @@ class Layout:
             LayoutError: ``rank`` outside ``[0, world_size)``.
         """
         self._check_rank(rank)
-        dense = self._dense.coords(rank)
-        expert = self._expert.coords(rank)
+        dense = self._dense.coords(rank - self.offset)
+        expert = self._expert.coords(rank - self.offset)
         return {
             "tp": dense["tp"],
             "cp": dense["cp"],
@@ -653,8 +662,17 @@ class Layout:
         return {mode.value: self.groups(mode) for mode in self.modes()}
 
     def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
+        if not self.offset <= rank < self.offset + self.world_size:
+            if self.offset:
+                raise LayoutError(
+                    f"rank={rank} is outside this layout's ranks [{self.offset}, {self.offset + self.world_size})"
+                )
             raise LayoutError(f"rank={rank} is outside [0, world_size={self.world_size})")
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks this layout covers: ``range(offset, offset + world_size)``."""
+        return range(self.offset, self.offset + self.world_size)
 
     def describe(self) -> str:
         """Return a one-line summary such as ``world=8 tp=2 cp=1 dp=2 pp=2 order=tp-cp-ep-dp-pp``."""
@@ -665,7 +683,20 @@ class Layout:
             text += f" ep={self.expert} etp={self._etp} edp={self.expert_data}"
         if self.gtp_remat > 1 or self.expert_gtp_remat > 1:
             text += f" gtp_remat={self.gtp_remat} egtp_remat={self.expert_gtp_remat}"
+        if self.offset:
+            text += f" offset={self.offset}"
         return text + f" order={self.order}"
+
+
+def _check_offset(offset: Any, world_size: int) -> None:
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise LayoutError(
+            f"offset={offset!r} must be a non-negative integer (the first global rank of the layout)"
+        )
+    if offset + world_size > MAX_WORLD_SIZE:
+        raise LayoutError(
+            f"offset={offset} + world_size={world_size} is past the largest world, {MAX_WORLD_SIZE} ranks"
+        )
 
 
 def _check_size(name: str, value: int) -> None:

@@ -53,6 +53,7 @@ __all__ = [
     "compact",
     "connects_at_creation",
     "create_groups",
+    "create_module_groups",
     "creation_order",
     "gloo_lazy_env",
     "lazy_gloo",
@@ -308,7 +309,7 @@ def _one_rank_group(layout: Layout, rank: int, maker: GroupMaker, cpu_backend: s
     members = range(rank, rank + 1)
 
     def every() -> Iterator[list[int]]:
-        return ([r] for r in range(layout.world_size))
+        return ([r] for r in layout.ranks)
 
     group = maker.make(members, every, rank, "parallelctx_self")
     cpu_group = group
@@ -337,49 +338,112 @@ def create_groups(
         RuntimeError: from torch, when a peer does not arrive within the timeout; or a group
             would reuse the name of one destroyed earlier (:meth:`GroupMaker.claim`).
     """
+    return create_module_groups([layout], rank, maker, cpu_backend, layout.world_size)[0]
+
+
+def create_module_groups(
+    layouts: Sequence[Layout], rank: int, maker: GroupMaker, cpu_backend: str | None, world_size: int
+) -> list[dict[ParallelMode, ModeGroup]]:
+    """Create this rank's groups of every mode of each of ``layouts`` (the modules ``rank``
+    belongs to, in the config's order; one layout for a job without modules), with ``maker``.
+
+    A module's GLOBAL group holds the module's ranks (the default group when it spans the
+    job's ``world_size``). A group whose members equal one made for an earlier module is that
+    group. The EMBEDDING groups of every module come last: middle pipeline stages join none, and
+    torch names a locally synchronized group by its members and how many groups the process
+    holds, so every member must hold the same number of groups when a group is made.
+
+    Returns:
+        One ``{mode: ModeGroup}`` per layout, as :func:`create_groups`.
+
+    Raises:
+        RuntimeError: as :func:`create_groups`; or several layouts where local synchronization
+            is blocked (:func:`local_sync_blocker`).
+    """
     world = ParallelMode.GLOBAL
-    world_sig = layout.signature(world)
     default_group = dist.group.WORLD
     if default_group is None:
         raise RuntimeError("torch.distributed has no default group: call gpc.init_global_dist() first")
     if maker.blocker is not None:
+        if len(layouts) > 1 or layouts[0].world_size != world_size:
+            raise RuntimeError(
+                f"parallelctx: parallel.modules needs groups made by their members alone, but {maker.blocker}; "
+                "launch without modules, or on a default group that can (gloo, or NCCL without device_id)"
+            )
         logger.warning(
             "parallelctx: %s; every rank creates every group instead (O(world size) calls per rank)",
             maker.blocker,
         )
     cpu_world = default_group
-    if cpu_backend is not None and layout.world_size > 1:
+    if cpu_backend is not None and world_size > 1:
         cpu_world = maker.new_group(None, "parallelctx_cpu_global", cpu_backend, local=False)
-    made: dict[tuple, ModeGroup] = {}
-    out: dict[ParallelMode, ModeGroup] = {}
+    by_members: dict[tuple[int, ...], ModeGroup] = {}
     alone: ModeGroup | None = None  # the one-rank group every size-1 mode shares
-    if layout.world_size == 1:
+    if world_size == 1:
         alone = ModeGroup(range(rank, rank + 1), default_group, cpu_world)
-    for mode in creation_order(layout):
+    outs: list[dict[ParallelMode, ModeGroup]] = []
+    later: list[tuple[Layout, dict[tuple, ModeGroup], dict[ParallelMode, ModeGroup], tuple]] = []
+
+    def one(
+        layout: Layout, mode: ParallelMode, members: Sequence[int], made: dict[tuple, ModeGroup]
+    ) -> ModeGroup:
         sig = layout.signature(mode)
-        # GLOBAL, and any mode spanning the whole world, is the default group (GLOBAL even in a
-        # world of one, where every signature is empty).
-        if mode is world or (sig == world_sig and layout.world_size > 1):
-            out[mode] = ModeGroup(range(layout.world_size), default_group, cpu_world)
-            continue
+        if sig not in made:
+            key = tuple(members)
+            if key not in by_members:
+
+                def every(mode: ParallelMode = mode) -> Any:
+                    return layout.group_array(mode).tolist()
+
+                group = maker.make(members, every, rank, mode.value)
+                cpu_group = group
+                if cpu_backend is not None:
+                    cpu_group = maker.make(members, every, rank, f"{mode.value}_cpu", cpu_backend)
+                by_members[key] = ModeGroup(members, group, cpu_group)
+            made[sig] = by_members[key]
+        return made[sig]
+
+    for layout in layouts:
+        out: dict[ParallelMode, ModeGroup] = {}
+        made: dict[tuple, ModeGroup] = {}
+        world_sig = layout.signature(world)
+        if layout.world_size == world_size:  # the whole job: the default group
+            whole = ModeGroup(range(world_size), default_group, cpu_world)
+        else:
+            whole = one(layout, world, compact(layout.ranks), made)
+        made[world_sig] = whole
+        out[world] = whole
+        for mode in creation_order(layout)[:-1]:  # EMBEDDING (last) after every module's others
+            sig = layout.signature(mode)
+            # Any mode spanning the whole layout is its GLOBAL group (GLOBAL even in a layout of
+            # one, where every signature is empty).
+            if mode is world or (sig == world_sig and layout.world_size > 1):
+                out[mode] = whole
+                continue
+            members = compact(layout.group_of(mode, rank))
+            if layout.size(mode) == 1:
+                if members:
+                    alone = alone or _one_rank_group(layout, rank, maker, cpu_backend)
+                    out[mode] = alone
+                continue
+            out[mode] = one(layout, mode, members, made)
+        outs.append(out)
+        later.append((layout, made, out, world_sig))
+    for layout, made, out, world_sig in later:
+        mode = ParallelMode.EMBEDDING
+        sig = layout.signature(mode)
         members = compact(layout.group_of(mode, rank))
-        if layout.size(mode) == 1:
+        if sig == world_sig and layout.world_size > 1:
+            out[mode] = out[world]
+        elif layout.size(mode) == 1:
             if members:
                 alone = alone or _one_rank_group(layout, rank, maker, cpu_backend)
                 out[mode] = alone
-            continue
-        if sig not in made:
-            if not members and maker.blocker is None:
-                continue  # no group of this mode on this rank (EMBEDDING's middle stages)
-
-            def every(mode: ParallelMode = mode) -> Any:
-                return layout.group_array(mode).tolist()
-
-            group = maker.make(members, every, rank, mode.value)
-            cpu_group = group
-            if cpu_backend is not None:
-                cpu_group = maker.make(members, every, rank, f"{mode.value}_cpu", cpu_backend)
-            made[sig] = ModeGroup(members, group, cpu_group)
-        if members:
-            out[mode] = made[sig]
-    return out
+        elif sig in made:
+            if members:
+                out[mode] = made[sig]
+        elif members or maker.blocker is not None:  # middle stages make none (unless blocked)
+            group = one(layout, mode, members, made)
+            if members:
+                out[mode] = group
+    return outs

@@ -135,7 +135,8 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
 
     Raises:
         RuntimeError: no launch of more than one rank with a default group of its own (a dry run,
-            an adopted torch.distributed group), or rank 0 leaves while its process serves the store.
+            an adopted torch.distributed group), a job with parallel.modules, or rank 0 leaves
+            while its process serves the store.
         ValueError: this rank is in ``exclude``; the layout cannot shrink (LayoutError, naming
             what would).
         ReformError: the ranks that stay do not agree, or one did not come within ``timeout``
@@ -152,6 +153,11 @@ def prepare(launched: Any, meetings: Any, exclude: Sequence[int], timeout: Any =
         raise RuntimeError(
             "gpc.reform() needs a launch of more than one rank that made its own default group "
             "(not a dry run, not an adopted torch.distributed group)"
+        )
+    if launched.plan is not None:
+        raise RuntimeError(
+            "gpc.reform() does not shrink a job with parallel.modules yet (which module loses the "
+            "ranks is the job's choice): destroy gpc and launch the smaller job with its own modules"
         )
     rank, gone = launched.rank, sorted({int(r) for r in exclude})
     if rank in gone:

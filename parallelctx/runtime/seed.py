@@ -18,6 +18,10 @@ share a stream's seed exactly when they agree on its axes. (The first formula us
 ``SLOT * 2**32``: the CPU generator dropped those bits, and every stream of a rank drew the same
 numbers.)
 
+With ``parallel.modules`` each module's streams follow the same formula on the module's own
+layout, with slots of their own for every module after the first (:func:`stream_slot`), so two
+colocated modules draw distinct streams.
+
 Besides one stream per :class:`ParallelMode` there is :data:`REPLICA`, a stream that differs
 across data-parallel replicas (and pipeline stages) and agrees inside a replica (across its
 tensor and context ranks): per-replica noise such as data augmentation.
@@ -40,6 +44,7 @@ import torch
 
 from ..planning.layout import Layout, ParallelMode
 from ..planning.limits import MAX_WORLD_SIZE
+from ..planning.modules import MAX_MODULES
 
 __all__ = [
     "REPLICA",
@@ -50,6 +55,7 @@ __all__ = [
     "Stream",
     "mode_seed",
     "seed_everything",
+    "stream_slot",
 ]
 
 REPLICA = "replica"
@@ -133,7 +139,8 @@ if not all(0 <= slot < SLOT_LIMIT for slot in STREAM_SLOTS.values()):
 
 
 def parse_stream(stream: Stream) -> Any:
-    """Return the stream key for ``stream``: a :class:`ParallelMode`, or :data:`REPLICA`.
+    """Return the stream key for ``stream``: a :class:`ParallelMode`, or :data:`REPLICA`; a
+    pair ``(module, stream)`` (a stream of another module, ``parallel.modules``) keeps the module.
 
     Raises:
         LayoutError: ``stream`` names neither a mode (any name of :meth:`ParallelMode.parse`) nor
@@ -141,21 +148,46 @@ def parse_stream(stream: Stream) -> Any:
     """
     if isinstance(stream, str) and stream.lower() == REPLICA:
         return REPLICA
+    if isinstance(stream, tuple) and len(stream) == 2:  # (module, stream): another module's
+        return (stream[0], parse_stream(stream[1]))
     return ParallelMode.parse(stream)
 
 
-def mode_seed(layout: Layout, rank: int, mode: Stream, base: int) -> int:
-    """Return the seed of ``mode``'s stream on ``rank`` (formula in the module docstring).
+MODULE_SLOT_BASE = 65
+"""The first seed slot of the modules after the first (``parallel.modules``): module ``k >= 1``
+of the config's order gives stream ``s`` the slot ``65 + (k - 1) * 21 + STREAMS.index(s)``, so
+every stream of every module of a rank starts from its own seed; module 0 (and a job without
+modules) keeps :data:`STREAM_SLOTS`. Ten modules fill the slots up to 253."""
+
+
+def stream_slot(key: Any, module: int = 0) -> int:
+    """Return the seed slot of stream ``key`` in the config's module number ``module`` (0: the
+    first module, or a job without modules).
 
     Raises:
-        LayoutError: an unknown stream or a rank outside the world.
+        ValueError: a module number past :data:`parallelctx.planning.modules.MAX_MODULES`.
+    """
+    if module == 0:
+        return STREAM_SLOTS[key]
+    slot = MODULE_SLOT_BASE + (module - 1) * len(STREAMS) + STREAMS.index(key)
+    if not 0 < module < MAX_MODULES or slot >= SLOT_LIMIT:
+        raise ValueError(f"module number {module} has no seed slots: at most {MAX_MODULES} modules")
+    return slot
+
+
+def mode_seed(layout: Layout, rank: int, mode: Stream, base: int, module: int = 0) -> int:
+    """Return the seed of ``mode``'s stream on ``rank`` (formula in the module docstring) in the
+    config's module number ``module`` (:func:`stream_slot`).
+
+    Raises:
+        LayoutError: an unknown stream or a rank outside the layout.
     """
     key = parse_stream(mode)
     coords = layout.coords(rank)
     index = 0
     for axis in STREAM_AXES[key]:
         index = index * layout.axis_size(axis) + coords[axis]
-    return (base + STREAM_SLOTS[key] * SLOT_SPACING + index) % 2**32
+    return (base + stream_slot(key, module) * SLOT_SPACING + index) % 2**32
 
 
 def seed_everything(seed: int) -> None:

@@ -35,14 +35,15 @@ from ..guard.abort import LaunchAborted
 from ..guard.core import Guard, Held
 from ..guard.recorder import DryRun
 from ..planning.layout import Layout, LayoutError, ParallelMode
+from ..planning.modules import ModulePlan
 from ..planning.simulation import parse_simulate
 from . import rendezvous
-from .groups import GroupMaker, ModeGroup, create_groups, gloo_lazy_env
+from .groups import GroupMaker, ModeGroup, create_groups, create_module_groups, gloo_lazy_env
 from .meetings import DefaultGroup, Meetings, init_default_group
 from .mesh import build_device_mesh
 from .rendezvous import Arrival
 from .rngstate import RNGState, capture, restore
-from .seed import STREAMS, RNGStreams, mode_seed
+from .seed import STREAMS, RNGStreams, mode_seed, parse_stream
 from .simulate import meet
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "dry_run_for",
     "end",
     "host_names",
+    "layout_of",
     "local_rank_of",
     "make_streams",
     "pick_device",
@@ -83,7 +85,10 @@ class Launched:
     the launch's store under its agreed prefix (None for a world of one and a dry run), every
     rank's host name, the layout, this rank's groups by mode and the ``new_group`` calls made,
     the device, the RNG streams and their base seed, the groups the guard noted, and the dry run
-    (None for a real launch). The defaults stand for "not made yet".
+    (None for a real launch). The defaults stand for "not made yet". With ``parallel.modules``
+    it also holds the :class:`~parallelctx.planning.modules.ModulePlan`, this rank's groups of
+    every module it belongs to, and the module it answers for (its primary one;
+    :meth:`for_module` gives the value of another).
 
     Each step of the start-up is a method that returns the next value: :meth:`met`,
     :meth:`with_groups`, :meth:`with_hosts`, :meth:`with_device`, :meth:`with_streams`;
@@ -108,6 +113,11 @@ class Launched:
     notes: tuple[Held, ...] = ()
     dry_run: DryRun | None = None
     eager: bool = False  # the default group connected as it was made (no settle since)
+    # parallel.modules: every module's layout, this rank's groups of each module it belongs to,
+    # and which module this value answers for (layout and groups above are that module's)
+    plan: ModulePlan | None = None
+    module: str | None = None
+    module_groups: Mapping[str, Mapping[ParallelMode, ModeGroup]] = field(default_factory=dict)
     meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> Launched:
@@ -190,9 +200,10 @@ class Launched:
             )
         return GroupMaker(guard, wait, lazy, used, self.world_size, settle)
 
-    def with_groups(self, maker: GroupMaker, layout: Layout | None = None) -> Launched:
+    def with_groups(self, maker: GroupMaker, layout: Layout | ModulePlan | None = None) -> Launched:
         """Return this value with this rank's groups, made by ``maker`` for ``layout`` (default:
-        the config's sizes on this world). When the default group or one of these connected as
+        the config's sizes on this world; a :class:`~parallelctx.planning.modules.ModulePlan`
+        for ``parallel.modules``: every module this rank belongs to). When the default group or one of these connected as
         it was made, every rank settles here first (:meth:`GroupMaker.settle
         <parallelctx.runtime.groups.GroupMaker.settle>`): no rank goes on, and perhaps tears a
         group down, while a peer is still connecting to it (issue 34).
@@ -205,13 +216,72 @@ class Launched:
         """
         if self.config is None:
             raise ValueError("the groups need the config: load it first")
-        layout = layout or self.config.parallel.to_layout(self.world_size)
+        if layout is None:
+            plan = self.config.parallel
+            layout = plan.module_plan(self.world_size) if plan.modules else plan.to_layout(self.world_size)
         cpu_backend = None if self.backend in CPU_BACKENDS else "gloo"
         maker.eager = maker.eager or self.eager
+        if isinstance(layout, ModulePlan):
+            return self._with_modules(maker, layout, cpu_backend)
         groups = create_groups(layout, self.rank, maker, cpu_backend)
         maker.settle("launch")
         notes = (*self.notes, *maker.made)
         return self.replace(layout=layout, groups=groups, group_calls=maker.calls, notes=notes, eager=False)
+
+    def _with_modules(self, maker: GroupMaker, plan: ModulePlan, cpu_backend: str | None) -> Launched:
+        """This value with the groups of every module this rank belongs to; it answers for the
+        rank's primary module (:meth:`ModulePlan.primary <parallelctx.planning.modules.ModulePlan.primary>`)."""
+        mine = plan.of_rank(self.rank)
+        made = create_module_groups(
+            [plan.layouts[n] for n in mine], self.rank, maker, cpu_backend, self.world_size
+        )
+        maker.settle("launch")
+        notes = (*self.notes, *maker.made)
+        primary = plan.primary(self.rank)
+        groups = dict(zip(mine, made))
+        return self.replace(
+            layout=plan.layouts[primary], groups=groups[primary], group_calls=maker.calls, notes=notes,
+            eager=False, plan=plan, module=primary, module_groups=groups,
+        )  # fmt: skip
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The modules this rank belongs to, in the config's order (``()`` without modules)."""
+        return tuple(self.module_groups)
+
+    def for_module(self, name: str) -> Launched:
+        """Return this value answering for module ``name`` (its layout, groups and streams).
+
+        Raises:
+            LayoutError: no module of that name, or this rank is not in it (the message names
+                its ranks and this rank's modules).
+        """
+        if self.plan is None:
+            raise LayoutError(
+                f"gpc.module({name!r}): this job has no parallel.modules; its one layout is gpc's own"
+            )
+        layout = self.plan.layouts[self.plan._known(name)]
+        if name not in self.module_groups:
+            raise LayoutError(
+                f"global rank {self.rank} is not in module {name!r} (ranks {layout.offset}-"
+                f"{layout.offset + layout.world_size - 1}); this rank's modules: {', '.join(self.modules)}"
+            )
+        if name == self.module:
+            return self
+        return self.replace(layout=layout, groups=self.module_groups[name], module=name)
+
+    def stream_key(self, stream: Any) -> Any:
+        """Return the key of ``stream`` (a mode or ``"replica"``) in :attr:`streams` for the
+        module this value answers for: the plain key for the rank's primary module (and a job
+        without modules), ``(module, key)`` for another.
+
+        Raises:
+            LayoutError: ``stream`` names no stream.
+        """
+        key = parse_stream(stream)
+        if self.plan is None or self.module == self.plan.primary(self.rank):
+            return key
+        return (self.module, key)
 
     def with_hosts(self) -> Launched:
         """Return this value with every rank's host name (the meeting's, else one all-gather over
@@ -244,6 +314,12 @@ class Launched:
         if self.layout is None or self.config is None:
             raise ValueError("the seeds need the layout: make the groups first")
         base = self.config.seed if seed is None else seed
+        if self.plan is not None:
+            mine: dict[str | None, tuple[int, Layout]] = {}
+            for name in self.modules:  # the module this value answers for has the plain keys
+                mine[None if name == self.module else name] = (self.plan.index(name), self.plan.layouts[name])
+            streams = make_streams(self.layout, self.rank, base, self.device, mine)
+            return self.replace(streams=streams, seed=base)
         return self.replace(streams=make_streams(self.layout, self.rank, base, self.device), seed=base)
 
 
@@ -264,7 +340,12 @@ def resolve_backend(backend: str | None) -> str:
 
 
 def agreed_values(
-    cfg: Config, layout: Layout, world_size: int, backend: str | None, timeout: timedelta, seed: int | None
+    cfg: Config,
+    layout: Layout | ModulePlan,
+    world_size: int,
+    backend: str | None,
+    timeout: timedelta,
+    seed: int | None,
 ) -> dict[str, Any]:
     """Return what every rank must launch with, as flat dotted keys: the config's parallel and
     dist sections (init_method aside: ranks may name rank 0's host differently), the seed, the
@@ -339,17 +420,28 @@ def pick_device(local_rank: int | None) -> torch.device:
     return torch.device("cuda", index)
 
 
-def make_streams(layout: Layout, rank: int, seed: Any, device: torch.device) -> RNGStreams:
+def make_streams(
+    layout: Layout,
+    rank: int,
+    seed: Any,
+    device: torch.device,
+    modules: Mapping[str | None, tuple[int, Layout]] | None = None,
+) -> RNGStreams:
     """Seed Python, numpy and torch from ``seed`` and return one RNG stream per mode and the
     ``"replica"`` stream (the formula: :mod:`parallelctx.seed`), on the CPU and, on a CUDA
-    ``device``, CUDA generators.
+    ``device``, CUDA generators. ``modules`` (``parallel.modules``): ``{name: (module number,
+    layout)}`` of this rank's modules, the one it answers for under the name None; its streams
+    have the plain keys and the others' ``(name, key)``.
 
     Raises:
         ValueError: ``seed`` is not an integer in ``[0, 2**32)``.
     """
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
-    seeds = {key: mode_seed(layout, rank, key, seed) for key in STREAMS}
+    seeds: dict[Any, int] = {}
+    for name, (number, lay) in (modules or {None: (0, layout)}).items():
+        for key in STREAMS:
+            seeds[key if name is None else (name, key)] = mode_seed(lay, rank, key, seed, number)
     return RNGStreams(seeds, cuda=device.type == "cuda")
 
 
@@ -477,9 +569,20 @@ class _PeerAbandoned(RuntimeError):
     """A peer abandoned this rank's launch attempt after this rank had made its groups."""
 
 
+def layout_of(cfg: Config, world_size: int) -> Layout | ModulePlan:
+    """Return the config's layout on ``world_size`` ranks, or with ``parallel.modules`` its
+    :class:`~parallelctx.planning.modules.ModulePlan`.
+
+    Raises:
+        LayoutError: the sizes (or the modules) do not fit ``world_size``.
+    """
+    par = cfg.parallel
+    return par.module_plan(world_size) if par.modules else par.to_layout(world_size)
+
+
 def _checked(
     config: ConfigLike, raw: Mapping[str, Any], meetings: Meetings
-) -> tuple[Config, LaunchArgs, Layout]:
+) -> tuple[Config, LaunchArgs, Layout | ModulePlan]:
     """The config, the arguments and the layout, checked before any waiting. A rank whose
     checks fail raises at once; when it can still reach the others (its rank, world size and
     address are valid) it also tells them at the rendezvous in the background, so that every
@@ -498,10 +601,10 @@ def _checked(
     except LaunchArgumentError as exc:
         args = _reachable(given, need_address, exc)
         refused = refused or exc
-    layout: Layout | None = None
+    layout: Layout | ModulePlan | None = None
     if refused is None and cfg is not None:
         try:
-            layout = cfg.parallel.to_layout(args.world_size)
+            layout = layout_of(cfg, args.world_size)
         except (ValueError, TypeError) as exc:
             refused = exc
     if refused is None and cfg is not None and layout is not None:
@@ -532,7 +635,8 @@ def end(launched: Launched, guard: Guard) -> None:
     for the whole script) and tear down its groups (:func:`tear_down`); returns None."""
     if launched.dry_run is not None and not launched.dry_run.armed:
         launched.dry_run.stop_recording()
-    mine = [g for mg in launched.groups.values() for g in (mg.group, mg.cpu_group)]
+    every = launched.module_groups.values() if launched.module_groups else [launched.groups]
+    mine = [g for groups in every for mg in groups.values() for g in (mg.group, mg.cpu_group)]
     tear_down(launched.owns_default_group, mine, guard)
 
 
@@ -564,7 +668,7 @@ def _start_dry(config: ConfigLike, raw: Mapping[str, Any], dry: DryRun, guard: G
     wait = to_timedelta(timeout, "timeout") if timeout is not None else cfg.dist.timeout
     seed = raw["seed"] if raw.get("seed") is not None else cfg.seed
     sim = dry.sim
-    layout = cfg.parallel.to_layout(sim.world_size)  # LayoutError before any group
+    layout = layout_of(cfg, sim.world_size)  # LayoutError before any group
     started = not dry.recording
     if started:
         dry.start_recording()
