@@ -172,7 +172,7 @@ def run_local(
         ValueError: a bad config or sizes (ConfigError, LayoutError, ValidationError).
     """
     cfg = _with_sizes(config, sizes)
-    layout = cfg.parallel.to_layout(world_size)  # LayoutError before any thread
+    layout = cfg.parallel.layout_or_plan(world_size)  # LayoutError before any thread
     world = LocalWorld(world_size)
     results: list[Any] = [None] * world_size
     errors: dict[int, tuple[BaseException, str]] = {}

@@ -268,8 +268,8 @@ class _Sizes(BaseModel):
 class ModuleConfig(_Sizes):
     """One module of ``parallel.modules``: its ranks and its own sizes.
 
-    ``ranks`` is how many ranks it holds and ``offset`` the first (default: right after the
-    module before it in the config, colocated modules counted once); ``colocated_with="name"``
+    ``ranks`` is how many ranks it holds and ``offset`` the first (default: the first rank no
+    module before it in the config holds); ``colocated_with="name"``
     puts it on exactly the ranks of another module instead. ``language=True`` makes it the
     language module (default: the module named ``"language"``). The sizes are those of the
     ``parallel`` section (``order`` defaults to the section's).
@@ -347,10 +347,11 @@ class ParallelConfig(_Sizes):
                 ranks; spans that overlap without being equal, leave a gap, or do not cover
                 ``world_size`` (when given). The message names the module, the key and the fix.
         """
-        if not self.modules:
+        if self.modules is None:
             raise LayoutError("parallel.modules is not set: this job has one layout (to_layout)")
+        if not self.modules:
+            raise LayoutError("parallel.modules is empty: name at least one module, or drop the key")
         spans: dict[str, tuple[int, int]] = {}
-        end = 0
         for name, mod in self.modules.items():
             where = f"parallel.modules.{name}"
             if mod.colocated_with is not None:
@@ -363,11 +364,17 @@ class ParallelConfig(_Sizes):
             if mod.ranks is None:
                 raise LayoutError(
                     f"{where} has neither ranks nor colocated_with: give ranks=<count> (and offset=<first "
-                    "rank> if it is not right after the module before it) or colocated_with=<module>"
+                    "rank> if it does not start at the first rank the modules before it leave free) or "
+                    "colocated_with=<module>"
                 )
-            offset = end if mod.offset is None else mod.offset
+            offset = mod.offset
+            if offset is None:  # the first rank no module before it holds
+                taken = sorted(spans.values())
+                offset = 0
+                for start, count in taken:
+                    if start <= offset < start + count:
+                        offset = start + count
             spans[name] = (offset, mod.ranks)
-            end = max(end, offset + mod.ranks)
         for name, mod in self.modules.items():
             seen = [name]
             target = name
@@ -408,6 +415,14 @@ class ParallelConfig(_Sizes):
             language = None
         return ModulePlan(layouts, language)
 
+    def layout_or_plan(self, world_size: int) -> Layout | ModulePlan:
+        """Return :meth:`to_layout` on ``world_size`` ranks, or with ``modules`` :meth:`module_plan`.
+
+        Raises:
+            LayoutError: the sizes (or the modules) do not fit ``world_size``.
+        """
+        return self.module_plan(world_size) if self.modules is not None else self.to_layout(world_size)
+
     def to_layout(self, world_size: int) -> Layout:
         """Return the :class:`~parallelctx.layout.Layout` of these sizes and order on a world of
         ``world_size`` ranks: the one place the config's sizes become a layout.
@@ -421,7 +436,7 @@ class ParallelConfig(_Sizes):
                 the data size; the message names the values and the fix. With ``modules``
                 (a layout per module): always, naming :meth:`module_plan`.
         """
-        if self.modules:
+        if self.modules is not None:
             raise LayoutError(
                 f"parallel.modules gives this job one layout per module ({', '.join(self.modules)}), "
                 "not one for the whole job: use parallel.module_plan(world_size) (gpc.module(name).layout "

@@ -85,6 +85,8 @@ def covering_ranks(layout: Layout) -> list[int]:
     ``expert_gtp_remat = gtp_remat``) it is the largest axis, plus the last rank where the
     diagonal misses it.
 
+    A module's layout (``offset > 0``) gives its own global ranks.
+
     Raises:
         Nothing: every :class:`~parallelctx.planning.layout.Layout` is valid by construction.
     """
@@ -105,4 +107,4 @@ def covering_ranks(layout: Layout) -> list[int]:
                 seen.discard(value)
         i += 1
     chosen.update((0, layout.world_size - 1))
-    return sorted(chosen)
+    return sorted(rank + layout.offset for rank in chosen)  # a module's layout: global ranks

@@ -135,6 +135,12 @@ class ModulePlan:
         mine = self.of_rank(rank)
         return self.language if self.language in mine else mine[0]
 
+    def where(self, rank: int) -> str:
+        """Return ``rank``'s place in each of its modules as a person reads it
+        (``"language: pipeline stage 1, tensor rank 0"``). Raises LayoutError as :meth:`of_rank`."""
+        places = ((name, self.layouts[name].where(rank)) for name in self.of_rank(rank))
+        return "; ".join(f"{name}: {place}" if place else name for name, place in places)
+
     def colocated(self) -> bool:
         """True when every module holds the same ranks."""
         spans = {(lay.offset, lay.world_size) for lay in self.layouts.values()}

@@ -149,6 +149,7 @@ def mesh_plan(layout: Layout, grid: str = "dense") -> MeshPlan:
         view = [1] * len(dims)
         view[axis] = shape[axis]
         ranks = ranks + (np.arange(shape[axis], dtype=np.int64) * strides[key]).reshape(view)
+    ranks = ranks + layout.offset  # a module's layout lies on its own global ranks
     return MeshPlan(tuple(d[0] for d in dims), shape, tuple(d[1] for d in dims), ranks)
 
 

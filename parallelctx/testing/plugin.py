@@ -30,7 +30,7 @@ __all__ = [
 
 #: Name of the pseudo-argument that carries one entry of ``layouts=`` (one test id per layout).
 LAYOUT_ARG = "parallel_layout"
-PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "expert_tensor", "order", "data")
+PARALLEL_KEYS = ("tensor", "pipeline", "context", "expert", "expert_tensor", "order", "data", "modules")
 MARKER_KEYS = ("world_size", *PARALLEL_KEYS, "config", "timeout", "layouts", "simulate", "ranks", "local")
 #: Pool processes that play the ranks of a ``simulate=True`` test, a batch at a time.
 SIMULATE_POOL_SIZE = 4
@@ -59,7 +59,7 @@ class MarkerError(ValueError):
 
 def layout_id(layout: Mapping[str, Any]) -> str:
     """The test id part for one entry of ``layouts=``: ``w4-tp2-pp2``, ``tp2-order-tp-pp-dp``,
-    ``tp2-dpr2-dps2`` (``data=dict(replicate=2, shard=2)``).
+    ``tp2-dpr2-dps2`` (``data=dict(replicate=2, shard=2)``), ``modules-vision-language``.
 
     Returns:
         The id string.
@@ -71,6 +71,8 @@ def layout_id(layout: Mapping[str, Any]) -> str:
         elif key == "data" and isinstance(value, Mapping):  # dict(replicate=2, shard=4): dpr2-dps4
             short = {"size": "dp", "replicate": "dpr", "shard": "dps"}
             parts.extend(f"{short.get(k, k)}{v}" for k, v in value.items())
+        elif key == "modules" and isinstance(value, Mapping):  # modules-vision-language
+            parts.append("modules-" + "-".join(map(str, value)))
         elif key in _ABBREV:
             parts.append(f"{_ABBREV[key]}{value}")
         else:
@@ -179,7 +181,7 @@ def resolve_marker(
             _set_size(parallel, key, merged[key])
     if "expert_tensor" in merged:
         _set_size(parallel, "expert", merged["expert_tensor"], field="tensor")
-    for key in ("order", "data"):
+    for key in ("order", "data", "modules"):
         if key in merged:
             parallel[key] = merged[key]
     raw["parallel"] = parallel
@@ -195,7 +197,7 @@ def resolve_marker(
     cfg = Config(raw)
     par = cfg.parallel
     try:
-        par.to_layout(world_size)
+        par.layout_or_plan(world_size)
     except LayoutError as exc:
         raise MarkerError(f"@pytest.mark.parallel(world_size={world_size}, ...): {exc}") from None
     return world_size, raw, float(timeout)
@@ -217,6 +219,7 @@ def simulated_ranks(
     """
     from parallelctx.config import Config
     from parallelctx.planning.covering import covering_ranks
+    from parallelctx.planning.layout import Layout
 
     if kwargs.get("simulate") and kwargs.get("local"):
         raise MarkerError(
@@ -231,7 +234,10 @@ def simulated_ranks(
         return None
     ranks = kwargs.get("ranks")
     if ranks is None:
-        return covering_ranks(Config(dict(config)).parallel.to_layout(world_size))
+        layout = Config(dict(config)).parallel.layout_or_plan(world_size)
+        if isinstance(layout, Layout):
+            return covering_ranks(layout)
+        return sorted({r for lay in layout.layouts.values() for r in covering_ranks(lay)})
     if not isinstance(ranks, (list, tuple, range)) or not ranks:
         raise MarkerError(f"ranks={ranks!r} must be a non-empty list of ranks, e.g. ranks=[0, 17, 4095]")
     bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
