@@ -81,7 +81,7 @@ def _bridge_class() -> type:
         def build_mesh(self) -> DeviceMesh:
             from .context import gpc
 
-            return _build_meshes(self, gpc)
+            return _build_meshes(self, getattr(self, "_parallelctx", None) or gpc)
 
     GpcParallelDims.__module__ = __name__
     return GpcParallelDims
@@ -147,8 +147,9 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def parallel_dims(spmd_backend: str = "spmd_types") -> Any:
-    """Return a torchtitan ``ParallelDims`` for gpc's layout, its meshes built on gpc's groups.
+def parallel_dims(spmd_backend: str = "spmd_types", ctx: Any = None) -> Any:
+    """Return a torchtitan ``ParallelDims`` for gpc's layout (``ctx``: a module's context,
+    ``gpc.module(name)``, for that module's), its meshes built on its groups.
 
     The degrees are gpc's: ``dp_replicate`` / ``dp_shard`` (``parallel.data``), ``cp``, ``tp``,
     ``pp``, ``ep``. Every mesh torchtitan's ``build_mesh`` would make, with the same names, shape
@@ -176,7 +177,8 @@ def parallel_dims(spmd_backend: str = "spmd_types") -> Any:
 
     if spmd_backend not in SPMD_BACKENDS:
         raise TorchtitanError(f"spmd_backend={spmd_backend!r} must be one of {', '.join(SPMD_BACKENDS)}")
-    layout = gpc.layout
+    ctx = gpc if ctx is None else ctx
+    layout = ctx.layout
     check_layout(layout)
     dims = _bridge_class()(
         dp_replicate=layout.replicate,
@@ -188,6 +190,7 @@ def parallel_dims(spmd_backend: str = "spmd_types") -> Any:
         world_size=layout.world_size,
         spmd_backend=spmd_backend,
     )
+    dims._parallelctx = ctx
     dims.build_mesh()
     return dims
 

@@ -268,3 +268,25 @@ def test_module_contexts_follow_gpcs_launches(tmp_path: Path) -> None:
     assert mine.get_group("data") is not group
     assert _membership(mine.get_group("data")) == gpc.module(gpc.modules[0]).get_ranks_in_group("data")
     assert gpc.get_global_rank() == rank
+
+
+@pytest.mark.parallel(
+    world_size=WORLD,
+    modules=dict(vision=dict(ranks=4, data=dict(replicate=2)), language=dict(ranks=4, tensor=2)),
+    local=True,
+)
+def test_a_modules_device_meshes_lie_on_its_own_ranks() -> None:
+    pytest.importorskip("torchtitan")
+    from parallelctx.torchtitan import parallel_dims
+
+    (name,) = gpc.modules
+    ctx = gpc.module(name)
+    assert ctx.device_mesh.mesh.flatten().tolist() == mesh_plan(ctx.layout).ranks.flatten().tolist()
+    assert sorted(ctx.device_mesh.mesh.flatten().tolist()) == list(ctx.layout.ranks)
+    dims = parallel_dims(ctx=ctx)
+    for dim, mode in (("tp", "tensor"), ("dp_shard", "data_shard"), ("dp_replicate", "data_replicate")):
+        if ctx.get_world_size(mode) > 1:
+            assert dist.get_process_group_ranks(dims.get_mesh(dim).get_group()) == ctx.get_ranks_in_group(
+                mode
+            )
+            assert _membership(dims.get_mesh(dim).get_group()) == ctx.get_ranks_in_group(mode)

@@ -81,3 +81,9 @@ def test_two_colocated_models_train_like_the_serial_ones() -> None:
 def test_two_disjoint_models_train_like_the_serial_ones() -> None:
     (name,) = gpc.modules
     _check_against_serial(name, 3 if name == "vision" else 4)
+
+
+@pytest.mark.parallel(world_size=8, modules=COLOCATED, local=True)
+def test_two_colocated_models_train_like_the_serial_ones_in_one_process() -> None:
+    _check_against_serial("language", 1)
+    _check_against_serial("vision", 2)
