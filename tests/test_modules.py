@@ -290,3 +290,34 @@ def test_a_modules_device_meshes_lie_on_its_own_ranks() -> None:
                 mode
             )
             assert _membership(dims.get_mesh(dim).get_group()) == ctx.get_ranks_in_group(mode)
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_a_hang_on_another_modules_group_is_reported(tmp_path: Path) -> None:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run(
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc-per-node",
+            "8",
+            str(HERE / "torchrun_modules_hang.py"),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+    for row in rows:
+        assert "module language of language, vision" in row["primary"]
+        if row["rank"] in (1, 5, 7):
+            (report,) = row["reports"]
+            assert (report["mode"], report["op"], report["missing"]) == ("data", "all_reduce", [3]), report
+            assert "vision: " in report["text"] or "rank 3" in report["text"]
+            assert row["raised"]
+        else:
+            assert row["reports"] == [], row

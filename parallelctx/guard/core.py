@@ -162,16 +162,17 @@ class Guard:
         log: bool,
         rank: int,
         store: Any,
-        groups: Mapping[ParallelMode, Any],
+        groups: Mapping[ParallelMode, Any] | Iterable[tuple[ParallelMode, Any]],
         where: Callable[[int], str] | None = None,
     ) -> None:
         """Start the hang report of a launch: watch ``groups`` (mode -> a group with ``ranks``,
-        ``group`` and ``cpu_group``, as :class:`parallelctx.runtime.groups.ModeGroup`) and report
+        ``group`` and ``cpu_group``, as :class:`parallelctx.runtime.groups.ModeGroup`; or pairs
+        of them, the groups of every module of ``parallel.modules``) and report
         a call that waited longer than ``after`` to the handlers, reading the peers' progress
         from ``store``; ``where(rank)`` words a rank's place in a point-to-point report. A
         report's ``abort()`` aborts this launch only. Returns None."""
         watched: dict[int, tuple[Any, list[ParallelMode], bool, tuple[int, ...]]] = {}
-        for mode, g in groups.items():
+        for mode, g in groups.items() if isinstance(groups, Mapping) else groups:
             for group, cpu in ((g.group, False), (g.cpu_group, True)):
                 if id(group) in watched:
                     if mode not in watched[id(group)][1]:

@@ -217,8 +217,7 @@ class Launched:
         if self.config is None:
             raise ValueError("the groups need the config: load it first")
         if layout is None:
-            plan = self.config.parallel
-            layout = plan.module_plan(self.world_size) if plan.modules else plan.to_layout(self.world_size)
+            layout = self.config.parallel.layout_or_plan(self.world_size)
         cpu_backend = None if self.backend in CPU_BACKENDS else "gloo"
         maker.eager = maker.eager or self.eager
         if isinstance(layout, ModulePlan):
@@ -576,8 +575,7 @@ def layout_of(cfg: Config, world_size: int) -> Layout | ModulePlan:
     Raises:
         LayoutError: the sizes (or the modules) do not fit ``world_size``.
     """
-    par = cfg.parallel
-    return par.module_plan(world_size) if par.modules else par.to_layout(world_size)
+    return cfg.parallel.layout_or_plan(world_size)
 
 
 def _checked(
@@ -646,7 +644,11 @@ def arm(guard: Guard, launched: Launched) -> None:
     hang = launched.config.dist.hang_report if launched.config is not None else None
     if hang is not None and launched.world_size > 1 and launched.store is not None:
         where = launched.layout.where if launched.layout is not None else None
-        guard.watch(hang.after, hang.log, launched.rank, launched.store, launched.groups, where)
+        groups: Any = launched.groups
+        if launched.plan is not None:  # every module's groups; a rank's place in its modules
+            where = launched.plan.where
+            groups = [pair for mine in launched.module_groups.values() for pair in mine.items()]
+        guard.watch(hang.after, hang.log, launched.rank, launched.store, groups, where)
 
 
 def _undo(launched: Launched, maker: GroupMaker | None, guard: Guard) -> None:
