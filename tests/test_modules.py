@@ -321,3 +321,36 @@ def test_a_hang_on_another_modules_group_is_reported(tmp_path: Path) -> None:
             assert row["raised"]
         else:
             assert row["reports"] == [], row
+
+
+@pytest.mark.parallel(world_size=WORLD, modules=COLOCATED, local=True)
+def test_activation_checkpointing_replays_a_modules_streams() -> None:
+    from parallelctx.checkpoint import checkpoint
+
+    vision, language = gpc.module("vision"), gpc.module("language")
+    w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with vision.seed("tensor"):  # dropout on vision's stream inside the region
+            keep = (torch.rand(x.shape) >= 0.5).to(x.dtype)
+        with language.seed("tensor"):
+            keep = keep * (torch.rand(x.shape) >= 0.25).to(x.dtype)
+        return (x @ w) * keep
+
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    state = gpc.get_rng_state()
+    plain = block(x)
+    plain.sum().backward()
+    want, after = x.grad.clone(), gpc.get_rng_state()
+    x.grad = None
+    gpc.set_rng_state(state)
+    with vision.seed("data"):  # the region runs inside another module stream
+        got = checkpoint(block, x, use_reentrant=False)
+    got.sum().backward()  # recomputed outside it
+    torch.testing.assert_close(got, plain, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+    with vision.seed("tensor"):  # every stream is where the run without checkpointing left it
+        a = torch.rand(3)
+    gpc.set_rng_state(after)
+    with vision.seed("tensor"):
+        assert torch.equal(a, torch.rand(3))
