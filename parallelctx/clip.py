@@ -26,6 +26,7 @@ scales by the same factor and replicas stay equal. The local norms and the scali
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,7 +93,11 @@ _WHAT_DIFFERS = ("values", "values", "values", "gradient (present on some ranks 
 
 
 def check_marks(
-    params: list[torch.Tensor], within: ParallelMode = M.TENSOR, names: list[str] | None = None
+    params: list[torch.Tensor],
+    within: ParallelMode = M.TENSOR,
+    names: list[str] | None = None,
+    *,
+    ctx: Any = None,
 ) -> None:
     """Check that every parameter of ``params`` without the ``tensor_model_parallel`` mark is a
     true replica across this rank's ``within`` group: the same values, and the same gradient
@@ -100,7 +105,7 @@ def check_marks(
     all-reduces: the number of unmarked parameters, then a fingerprint of each (sums, sums of
     squares and pseudo-randomly weighted sums of values and gradient, so a shard holding the
     other rank's values in another order, or a zero-initialised shard whose gradients differ,
-    is told apart). Returns None.
+    is told apart). ``ctx``: the context whose groups to use (default gpc). Returns None.
 
     Raises:
         ValueError: every rank of the group does not hold the same number of unmarked
@@ -110,22 +115,23 @@ def check_marks(
             gradient norm, so the norm comes out too small), or replicas that drifted apart.
             Every rank of the group raises.
     """
-    if gpc.get_world_size(within) <= 1:
+    on = gpc if ctx is None else ctx  # a module of parallel.modules: gpc.module(name)
+    if on.get_world_size(within) <= 1:
         return
     plain = [(i, p) for i, p in enumerate(params) if not getattr(p, "tensor_model_parallel", False)]
-    group = gpc.get_group(within)
-    count = torch.tensor([float(len(plain)), -float(len(plain))], dtype=torch.float64, device=gpc.device)
+    group = on.get_group(within)
+    count = torch.tensor([float(len(plain)), -float(len(plain))], dtype=torch.float64, device=on.device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
     if count[0].item() != -count[1].item():
         raise ValueError(
-            f"the ranks of the {within.value} group {gpc.get_ranks_in_group(within)} hold from "
+            f"the ranks of the {within.value} group {on.get_ranks_in_group(within)} hold from "
             f"{int(-count[1].item())} to {int(count[0].item())} parameters without the "
             "tensor_model_parallel mark (this rank: "
             f"{len(plain)}): every rank of the group must pass the same parameters, in the same order"
         )
     if not plain:
         return
-    sums = torch.stack([_fingerprint(p) for _, p in plain]).to(gpc.device)
+    sums = torch.stack([_fingerprint(p) for _, p in plain]).to(on.device)
     both = torch.cat([sums, -sums])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
     high, low = both[: len(plain)], -both[len(plain) :]
@@ -136,7 +142,7 @@ def check_marks(
             raise ValueError(
                 f"{what} (shape {list(p.shape)}) has no tensor_model_parallel mark, so "
                 f"it counts as a replica over the {within.value} group (ranks "
-                f"{gpc.get_ranks_in_group(within)}), but its {_WHAT_DIFFERS[row.index(True)]} differ across "
+                f"{on.get_ranks_in_group(within)}), but its {_WHAT_DIFFERS[row.index(True)]} differ across "
                 "those ranks: if it is a shard, mark it (p.tensor_model_parallel = True; Megatron's "
                 "parallel layers do) or the norm comes out too small; if it is a replica, the replicas "
                 "have drifted apart or were not reduced alike"
@@ -144,7 +150,11 @@ def check_marks(
 
 
 def grad_norm(
-    parameters: torch.Tensor | Iterable[torch.Tensor], norm_type: float = 2.0, *, check_replicas: bool = True
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    check_replicas: bool = True,
+    ctx: Any = None,
 ) -> torch.Tensor:
     """The norm of the whole model's gradients, of which ``parameters`` are this rank's (the
     module docstring says how shards and replicas count). Every rank of the launch must call it
@@ -155,7 +165,8 @@ def grad_norm(
 
     ``check_replicas`` (default): check first that every parameter without the mark is a true
     replica across its tensor group (:func:`check_marks`), so that a shard missing its mark is
-    named instead of counted once.
+    named instead of counted once. ``ctx``: the context whose groups hold the model (default
+    gpc; ``gpc.module(name)`` for one model of a job with ``parallel.modules``).
 
     Returns:
         A scalar tensor on gpc's device, the same on every rank: float64 when this rank's
@@ -168,12 +179,13 @@ def grad_norm(
         ValueError: ``norm_type`` is not positive; gtp_remat > 1 (how its shards count is not
             known here); with ``check_replicas``, what :func:`check_marks` raises.
     """
+    on = gpc if ctx is None else ctx  # a module of parallel.modules: gpc.module(name)
     norm_type = float(norm_type)
     if not norm_type > 0:
         raise ValueError(
             f"norm_type={norm_type} must be positive (2.0 for the Euclidean norm, inf for the largest)"
         )
-    layout = gpc.launched.layout
+    layout = on.launched.layout
     if layout is not None and max(layout.gtp_remat, layout.expert_gtp_remat) > 1:
         raise ValueError(
             f"parallelctx.clip_grad_norm_ under gtp_remat={layout.gtp_remat} (expert "
@@ -189,7 +201,7 @@ def grad_norm(
     if check_replicas:  # every parameter, with a gradient or not: the same list on every rank
         for expert, within in ((False, M.TENSOR), (True, M.EXPERT_TENSOR)):
             mine = [(i, p) for i, p in enumerate(given) if (getattr(p, "allreduce", True) is False) == expert]
-            check_marks([p for _, p in mine], within, [f"{i} of those given" for i, _ in mine])
+            check_marks([p for _, p in mine], within, [f"{i} of those given" for i, _ in mine], ctx=ctx)
     for p in given:
         if p.grad is None or getattr(p, "shared", False):
             continue
@@ -198,24 +210,24 @@ def grad_norm(
             if getattr(p, "allreduce", True) is False
             else (M.MODEL, M.TENSOR)
         )
-        if getattr(p, "tensor_model_parallel", False) or gpc.get_local_rank(key[1]) == 0:
+        if getattr(p, "tensor_model_parallel", False) or on.get_local_rank(key[1]) == 0:
             buckets[key].append(p.grad)
     inf = norm_type == float("inf")
     dense, experts = buckets.values()
-    parts = [(M.MODEL, _local(dense, norm_type, gpc.device))]
-    expert_part = _local(experts, norm_type, gpc.device)
-    if gpc.get_ranks_in_group(M.EXPERT_MODEL) == gpc.get_ranks_in_group(M.MODEL):  # no expert axis
+    parts = [(M.MODEL, _local(dense, norm_type, on.device))]
+    expert_part = _local(experts, norm_type, on.device)
+    if on.get_ranks_in_group(M.EXPERT_MODEL) == on.get_ranks_in_group(M.MODEL):  # no expert axis
         parts[0] = (M.MODEL, torch.maximum(parts[0][1], expert_part) if inf else parts[0][1] + expert_part)
     else:  # both, on every rank: a stage without experts joins too
         parts.append((M.EXPERT_MODEL, expert_part))
-    total = torch.zeros((), dtype=torch.float64, device=gpc.device)
-    nan = torch.zeros((), dtype=torch.float64, device=gpc.device)
+    total = torch.zeros((), dtype=torch.float64, device=on.device)
+    nan = torch.zeros((), dtype=torch.float64, device=on.device)
     for over, part in parts:
         # gloo's MAX drops a nan that is not on the group's first rank: carry it as a flag
         flagged = torch.stack([torch.nan_to_num(part, nan=0.0, posinf=float("inf")), part.isnan().double()])
-        if gpc.get_world_size(over) > 1:
+        if on.get_world_size(over) > 1:
             dist.all_reduce(
-                flagged, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=gpc.get_group(over)
+                flagged, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=on.get_group(over)
             )
         total = torch.maximum(total, flagged[0]) if inf else total + flagged[0]
         nan = nan + flagged[1]
@@ -237,11 +249,12 @@ def clip_grad_norm_(
     foreach: bool | None = None,
     *,
     check_replicas: bool = True,
+    ctx: Any = None,
 ) -> torch.Tensor:
     """Scale the gradients of ``parameters`` (this rank's) in place so that the whole model's
     gradient norm (:func:`grad_norm`) is at most ``max_norm``, as
     ``torch.nn.utils.clip_grad_norm_`` does for a model held whole. Every rank must call it.
-    ``check_replicas``: as for :func:`grad_norm`.
+    ``check_replicas`` and ``ctx``: as for :func:`grad_norm`.
 
     Returns:
         The whole model's norm before clipping (as :func:`grad_norm` returns it).
@@ -253,7 +266,7 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the norm is nan or inf (on every rank).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    total = grad_norm(params, norm_type, check_replicas=check_replicas)
+    total = grad_norm(params, norm_type, check_replicas=check_replicas, ctx=ctx)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the model's gradient norm (order {norm_type}) is {total.item()}; "

@@ -48,6 +48,7 @@ def _check_against_serial(name: str, seed: int) -> None:
         mask_h[rows, part] = keep_h
         mask_y[rows] = keep_y
     loss, grads = serial_step(params, batch, mask_h, mask_y, P)
+    assert out["norm"] == pytest.approx(torch.cat([g.flatten() for g in grads]).norm().item(), rel=1e-10)
     assert sum(s[5] for s in seen) / ctx.get_world_size("tensor") == pytest.approx(loss, rel=1e-12)
     for _, _, part, _, g, _ in seen:
         for got, want, sharded in zip(g, grads, (True, True, "cols", False)):

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parallelctx.clip import grad_norm
+
 
 class _Copy(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient over ``group`` backward."""
@@ -67,6 +69,8 @@ class ModuleMLP(nn.Module):
         self.b1 = nn.Parameter(b1[part].clone())
         self.w2 = nn.Parameter(w2[:, part].clone())
         self.b2 = nn.Parameter(b2.clone())
+        for shard in (self.w1, self.b1, self.w2):  # Megatron's mark: a shard, not a replica
+            shard.tensor_model_parallel = True  # type: ignore[attr-defined]
         self.masks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +91,7 @@ def train_step(ctx: Any, params: list[torch.Tensor], batch: torch.Tensor, p: flo
     the module's data group are the whole batch's.
 
     Returns:
-        ``{"loss": this slice's loss, "grads": full-size gradients of W1, b1, W2, b2 (this tensor
+        ``{"loss": this slice's loss, "norm": the whole model's gradient norm, "grads": full-size gradients of W1, b1, W2, b2 (this tensor
         rank's shard in place, zeros elsewhere), "masks": (hidden mask, output mask), "rows":
         the slice of the batch}``.
     """
@@ -99,13 +103,21 @@ def train_step(ctx: Any, params: list[torch.Tensor], batch: torch.Tensor, p: flo
     loss.backward()
     for param in model.parameters():
         dist.all_reduce(param.grad, group=ctx.get_group("data"))
+    norm = grad_norm(model.parameters(), ctx=ctx)  # the whole model's, over the module's groups
     full = [torch.zeros_like(t) for t in params]
     full[0][model.part] = model.w1.grad
     full[1][model.part] = model.b1.grad
     full[2][:, model.part] = model.w2.grad
     full[3] = model.b2.grad
     assert model.masks is not None
-    return {"loss": loss.item(), "grads": full, "masks": model.masks, "rows": rows, "part": model.part}
+    return {
+        "loss": loss.item(),
+        "norm": norm.item(),
+        "grads": full,
+        "masks": model.masks,
+        "rows": rows,
+        "part": model.part,
+    }
 
 
 def serial_step(
