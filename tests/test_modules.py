@@ -84,6 +84,23 @@ def test_sizes_beside_modules_are_refused() -> None:
         Config(dict(parallel=dict(tensor=2, modules=DISJOINT)))
 
 
+def test_a_modules_config_survives_pickle_dicts_and_files(tmp_path: Path) -> None:
+    import pickle
+
+    modules = dict(
+        vision=dict(ranks=2, tensor=dict(size=1, note=3)), language=dict(ranks=6, tensor=2, pipeline=3)
+    )
+    cfg = Config(dict(parallel=dict(modules=modules)))
+    for again in (pickle.loads(pickle.dumps(cfg)), Config(cfg.to_dict())):
+        assert again.parallel == cfg.parallel
+        assert again.parallel.module_plan(8) == cfg.parallel.module_plan(8)
+        assert again.parallel.modules["vision"].tensor.note == 3
+    (tmp_path / "m.toml").write_text(
+        "[parallel.modules.vision]\nranks = 2\n[parallel.modules.language]\nranks = 6\ntensor = 2\npipeline = 3\n"
+    )
+    assert Config.from_file(tmp_path / "m.toml").parallel.module_plan(8) == cfg.parallel.module_plan(8)
+
+
 def test_the_modules_must_cover_the_launched_world() -> None:
     par = Config(dict(parallel=dict(modules=DISJOINT))).parallel
     with pytest.raises(LayoutError, match="cover ranks 0-7 .8 ranks. but world_size=16"):

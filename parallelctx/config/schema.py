@@ -325,7 +325,11 @@ class ParallelConfig(_Sizes):
     @model_validator(mode="after")
     def _modules_fit(self) -> ParallelConfig:
         if self.modules is not None:
-            sizes = [k for k in _Sizes.model_fields if k != "order" and k in self.model_fields_set]
+            sizes = [  # a size other than its default (a dumped config holds every key)
+                k
+                for k, f in _Sizes.model_fields.items()
+                if k != "order" and getattr(self, k) != f.get_default()
+            ]
             if sizes:
                 raise ValueError(
                     f"parallel.{sizes[0]} is given beside parallel.modules; with modules each module "
