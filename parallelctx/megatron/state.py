@@ -1,5 +1,6 @@
-"""The value of every ``parallel_state`` global (what Megatron's getters read), from gpc's groups
-and the few groups gpc has no mode for, which are made here."""
+"""The value of every ``parallel_state`` global (what Megatron's getters read), from a context's
+groups (``gpc`` or ``gpc.module(name)``) and the few groups gpc has no mode for, which are made
+here (:class:`Installed`: found among gpc's groups by their members, else made once)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,13 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ..context import gpc
+from ..context import ParallelContext
 from ..planning.layout import Layout, ParallelMode
 from ..runtime.groups import GroupMaker
 from .options import Options
 from .release import known_globals, pristine
 
-__all__ = ["EXTRA_GROUPS", "Installed", "extra_groups", "sources", "values"]
+__all__ = ["EXTRA_GROUPS", "Installed", "existing_groups", "extra_groups", "sources", "values"]
 
 # The gloo groups create_gloo_process_groups=False leaves unset.
 _GLOO_GLOBALS = (
@@ -44,12 +45,36 @@ EXTRA_GROUPS: dict[str, tuple[str, tuple[str, ...], str]] = {
 
 @dataclass
 class Installed:
-    """What one :func:`parallelctx.megatron.install` (or ``process_groups()``) made: the groups
-    (``maker.made``), the RNG tracker it replaced and the ``parallel_state`` globals it set."""
+    """What one :func:`parallelctx.megatron.install` (or the ``process_groups()``, grids and
+    collections of one context) made: the groups (``maker.made``), the RNG tracker it replaced and
+    the ``parallel_state`` globals it set. With ``ctx``, :meth:`group` finds a group by its members
+    among the context's (and every module's of this rank) before it makes one."""
 
     maker: GroupMaker
+    ctx: ParallelContext | None = None
     random_before: dict[str, Any] = field(default_factory=dict)
     names: tuple[str, ...] = ()  # the globals install() set
+    known: dict[tuple[int, ...], Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.ctx is not None and not self.known:
+            self.known = existing_groups(self.ctx)
+
+    def group(self, members: Sequence[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
+        """This rank's group of ``members``: gpc's own, or one made here earlier, or a new one made
+        with :attr:`maker` (locally synchronized: only the members call; where torch cannot, every
+        group ``every()`` lists, on every rank).
+
+        Raises:
+            ValueError: no context was given.
+            RuntimeError: from torch (a peer did not arrive within the timeout).
+        """
+        if self.ctx is None:
+            raise ValueError("Installed.group() needs the context whose groups it draws on")
+        key = tuple(members)
+        if key not in self.known:
+            self.known[key] = self.maker.make(members, every, self.ctx.get_global_rank(), desc)
+        return self.known[key]
 
     @property
     def created(self) -> list[Any]:
@@ -62,14 +87,17 @@ class Installed:
         return self.maker.calls
 
 
-def _existing_groups() -> dict[tuple[int, ...], tuple[Any, Any]]:
-    """gpc's groups of this rank by their members: ``{members: (group, cpu group)}``."""
-    found: dict[tuple[int, ...], tuple[Any, Any]] = {}
+def existing_groups(ctx: ParallelContext) -> dict[tuple[int, ...], Any]:
+    """gpc's groups of this rank by their members, ``{members: group}``: ``ctx``'s own first,
+    then those of every other module this rank belongs to (``parallel.modules``), so that no
+    group is made twice."""
+    found: dict[tuple[int, ...], Any] = {}
     for mode in ParallelMode:
-        if gpc.is_initialized(mode):
-            found.setdefault(
-                tuple(gpc.get_ranks_in_group(mode)), (gpc.get_group(mode), gpc.get_cpu_group(mode))
-            )
+        if ctx.is_initialized(mode):
+            found.setdefault(tuple(ctx.get_ranks_in_group(mode)), ctx.get_group(mode))
+    for groups in ctx.launched.module_groups.values():
+        for held in groups.values():
+            found.setdefault(tuple(held.ranks), held.group)
     return found
 
 
@@ -94,19 +122,16 @@ def _hybrid_rows(ranks: Sequence[int]) -> dict[int, list[list[int]]]:
     return {n: [list(ranks[i : i + n]) for i in range(0, len(ranks), n)] for n in sizes}
 
 
-def extra_groups(layout: Layout, rank: int, maker: GroupMaker, opts: Options) -> dict[str, Any]:
-    """The groups gpc has no mode for, keyed by Megatron's token ``(members, group)``, plus
-    ``"pos"``: the position-embedding group (this rank alone, on the first pipeline stage only;
-    None elsewhere); with the options, ``"ag"`` (a separate data x context group), ``"hcp"`` (the
-    hierarchical context groups) and ``"hybrid"`` (``{size: group}``)."""
-    existing = _existing_groups()
+def extra_groups(layout: Layout, ctx: ParallelContext, state: Installed, opts: Options) -> dict[str, Any]:
+    """The groups gpc has no mode for, for ``ctx``'s layout, keyed by Megatron's token ``(members,
+    group)``, plus ``"pos"``: the position-embedding group (this rank alone, on the first pipeline
+    stage only; None elsewhere); with the options, ``"ag"`` (a separate data x context group),
+    ``"hcp"`` (the hierarchical context groups) and ``"hybrid"`` (``{size: group}``). Each is
+    found or made by ``state`` (:meth:`Installed.group`)."""
+    rank = ctx.get_global_rank()
+    maker = state.maker
     out: dict[str, Any] = {}
-
-    def kind(members: list[int], every: Callable[[], Iterator[list[int]]], desc: str) -> Any:
-        key = tuple(members)
-        if key not in existing:
-            existing[key] = (maker.make(members, every, rank, desc), None)
-        return existing[key][0]
+    kind = state.group
 
     def rows_of(grid: str, axes: tuple[str, ...]) -> Callable[[], Iterator[list[int]]]:
         def every() -> Iterator[list[int]]:
@@ -127,14 +152,14 @@ def extra_groups(layout: Layout, rank: int, maker: GroupMaker, opts: Options) ->
             yield [pipe[0]]
 
     group = kind(alone, firsts, "megatron_position_embedding")
-    first = gpc.get_local_rank(ParallelMode.PIPELINE) == 0
+    first = ctx.get_local_rank(ParallelMode.PIPELINE) == 0
     out["pos"] = (alone, group) if first else ([], None)
     if opts.all_gather:  # a communicator of its own, never an existing group
 
         def dp_cps() -> Iterator[list[int]]:
             yield from layout.groups(ParallelMode.DATA_CONTEXT)
 
-        members = gpc.get_ranks_in_group(ParallelMode.DATA_CONTEXT)
+        members = ctx.get_ranks_in_group(ParallelMode.DATA_CONTEXT)
         out["ag"] = maker.make(members, dp_cps, rank, "megatron_data_context_all_gather")
     if opts.hierarchical_cp:
         levels = []
@@ -145,14 +170,14 @@ def extra_groups(layout: Layout, rank: int, maker: GroupMaker, opts: Options) ->
                     yield from _hierarchical_rows(cp, opts.hierarchical_cp, level)
 
             rows = _hierarchical_rows(
-                gpc.get_ranks_in_group(ParallelMode.CONTEXT), opts.hierarchical_cp, level
+                ctx.get_ranks_in_group(ParallelMode.CONTEXT), opts.hierarchical_cp, level
             )
             members = next(row for row in rows if rank in row)
             levels.append(kind(members, every, f"megatron_hierarchical_context_L{level}"))
         out["hcp"] = levels
     if opts.hybrid_cp:
         hybrid = {}
-        for size, rows in _hybrid_rows(gpc.get_ranks_in_group(ParallelMode.DATA_CONTEXT)).items():
+        for size, rows in _hybrid_rows(ctx.get_ranks_in_group(ParallelMode.DATA_CONTEXT)).items():
 
             def chunks(size: int = size) -> Iterator[list[int]]:
                 for dp_cp in layout.groups(ParallelMode.DATA_CONTEXT):
@@ -164,20 +189,20 @@ def extra_groups(layout: Layout, rank: int, maker: GroupMaker, opts: Options) ->
     return out
 
 
-def values(layout: Layout, extra: dict[str, Any], opts: Options) -> dict[str, Any]:
-    """Every known parallel_state global's value after install, as initialize_model_parallel
+def values(layout: Layout, extra: dict[str, Any], opts: Options, ctx: ParallelContext) -> dict[str, Any]:
+    """Every known parallel_state global's value for ``ctx``'s groups, as initialize_model_parallel
     sets it with ``opts`` (num_distributed_optimizer_instances=1, default embedding ranks); the
     caller keeps those of the installed release."""
     M = ParallelMode
 
     def group(mode: ParallelMode) -> Any:
-        return gpc.get_group(mode)
+        return ctx.get_group(mode)
 
     def cpu(mode: ParallelMode) -> Any:
-        return gpc.get_cpu_group(mode)
+        return ctx.get_cpu_group(mode)
 
     def ranks(mode: ParallelMode) -> list[int]:
-        return gpc.get_ranks_in_group(mode)
+        return ctx.get_ranks_in_group(mode)
 
     v: dict[str, Any] = {name: pristine(name) for name in known_globals()}
     v.update(
@@ -225,7 +250,7 @@ def values(layout: Layout, extra: dict[str, Any], opts: Options) -> dict[str, An
         _EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT=extra["egtp-dp"][1],
         _INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT=extra["egtp-dp"][1],
     )
-    if gpc.is_initialized(M.EMBEDDING):
+    if ctx.is_initialized(M.EMBEDDING):
         v["_EMBEDDING_GROUP"] = group(M.EMBEDDING)
         v["_EMBEDDING_GLOBAL_RANKS"] = ranks(M.EMBEDDING)
     if extra["pos"][1] is not None:
