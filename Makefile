@@ -116,7 +116,7 @@ test-megatron-upstream: $(STAMP) $(STAMP_NEXT)
 # The Megatron bridge tests under megatron-core 0.19.2 (the 0.16.1 run is in `make test`).
 test-megatron-next: $(STAMP_NEXT)
 	$(VENV_NEXT)/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_bridge.py \
-		tests/test_megatron_gtp.py tests/test_megatron_parallel_state.py
+		tests/test_megatron_gtp.py tests/test_megatron_parallel_state.py tests/test_megatron_modules.py
 
 clean:
 	rm -rf $(VENV) $(ENGINES) $(VENV_NEXT) .pytest_cache build *.egg-info
