@@ -138,6 +138,12 @@ def run_one(args: argparse.Namespace, rank: int) -> tuple[int, dict[str, Any]]:
 def _summary(report: dict[str, Any]) -> str:
     coords = report.get("coords", {})
     where = " ".join(f"{k}={coords[k]}" for k in ("tensor", "pipeline", "data", "context") if k in coords)
+    if report.get("modules"):  # parallel.modules: the rank's place in each of its modules
+        where = ", ".join(
+            f"{name}: "
+            + " ".join(f"{k}={entry['coords'][k]}" for k in ("tensor", "pipeline", "data", "context"))
+            for name, entry in report["modules"].items()
+        )
     launch = report.get("launch_s")
     took = f"launch {launch:.3f} s" if isinstance(launch, float) else "not launched"
     state = (
@@ -308,10 +314,11 @@ def _collect(
     make one failure, which names them all and shows the first one's output."""
     reports: dict[int, dict[str, Any]] = {}
     alike: dict[str, list[int]] = {}
+    shared: dict[tuple[int, ...], list[int]] = {}
     for rank in ranks:
         path = folder / f"rank{rank}.json"
         if path.exists():
-            reports[rank] = json.loads(path.read_text())
+            reports[rank] = _share_groups(json.loads(path.read_text()), shared)
         if _failed(reports.get(rank)):
             why = reports.get(rank, {}).get("error") or ends.get(rank, "no report")
             alike.setdefault(why, []).append(rank)
@@ -323,6 +330,31 @@ def _collect(
         whose = "its" if len(failed) == 1 else f"rank {failed[0]}'s"
         failures.append(f"{who} failed: {why}\n  {whose} output ends:\n    " + tail.replace("\n", "\n    "))
     return reports, failures
+
+
+def _share_groups(report: dict[str, Any], shared: dict[tuple[int, ...], list[int]]) -> dict[str, Any]:
+    """``report`` with each member list of its groups (the modules' too) and ``new_group``
+    calls replaced by one list per distinct value, kept in ``shared``: thousands of swept
+    members of one data group then hold one list of its members, not one each."""
+
+    def one(members: Any) -> Any:
+        if not isinstance(members, list):
+            return members
+        key = tuple(members)
+        return shared.setdefault(key, members)
+
+    tables = [report.get("groups")]
+    tables += [
+        entry.get("groups") for entry in (report.get("modules") or {}).values() if isinstance(entry, dict)
+    ]
+    for table in tables:
+        if isinstance(table, dict):
+            for mode, members in table.items():
+                table[mode] = one(members)
+    for call in report.get("new_groups") or []:
+        if isinstance(call, dict) and "ranks" in call:
+            call["ranks"] = one(call["ranks"])
+    return report
 
 
 def _failed(report: dict[str, Any] | None) -> bool:
@@ -345,14 +377,13 @@ def _ranges(ranks: list[int]) -> str:
 
 def _covered_sweep(args: argparse.Namespace) -> tuple[list[int], dict[int, dict[str, Any]], list[str]]:
     """``--ranks cover``: run rank 0, read the layout its launch made from its report, then run
-    the rest of that layout's covering set.
+    the rest of that layout's covering set (with ``parallel.modules``: every module's).
 
     Returns:
         ``(ranks, reports by rank, failures)``; only rank 0 when it failed before its launch
         (the layout is unknown then; a failure says so).
     """
-    from ..config import Config
-    from .sweep import parse_ranks
+    from .sweep import parse_ranks, plan_of
 
     reports, failures = run_sweep(args, [0])
     first = reports.get(0, {})
@@ -362,7 +393,7 @@ def _covered_sweep(args: argparse.Namespace) -> tuple[list[int], dict[int, dict[
             "must cover is unknown; fix rank 0 (above) or name the ranks (--ranks all, 0,17,9000, sample:N)"
         )
         return [0], reports, failures
-    layout = Config({"parallel": first["parallel"]}).parallel.to_layout(first["world_size"])
+    layout = plan_of(first["parallel"], first["world_size"])  # with modules: every module's axes
     ranks = parse_ranks("cover", args.world_size, layout=layout)
     more, more_failures = run_sweep(args, ranks[1:])
     return ranks, {**reports, **more}, failures + more_failures

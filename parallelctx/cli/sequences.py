@@ -101,17 +101,21 @@ def _name_group(members: tuple[int, ...], reports: Reports, world: int) -> str:
     if len(members) == world:
         return f"world group {_short(list(members))}"
     swept = [r for r in members if r in reports]
-    mode = "group"
+    mode, whose = "group", ""
     for rank in swept:
-        for name, ranks in reports[rank].get("groups", {}).items():
-            if tuple(ranks) == members:
-                mode = f"{name} group"
+        # the groups gpc answers for, then (parallel.modules) each module's, named with the module
+        tables = [("", reports[rank].get("groups", {}))]
+        tables += [(f"{m} ", e.get("groups", {})) for m, e in (reports[rank].get("modules") or {}).items()]
+        for module, table in tables:
+            found = next((name for name, ranks in table.items() if tuple(ranks) == members), None)
+            if found is not None:
+                mode, whose = f"{module}{found} group", module
                 break
         if mode != "group":
             break
-    where = []
-    for axis, words in _AXES:
-        if mode.startswith(axis):
+    where: list[str] = []
+    for axis, words in _AXES if not whose else ():  # another module's group: the coordinates
+        if mode.startswith(axis):  # the reports hold at the top are the primary module's
             continue
         values = {reports[r].get("coords", {}).get(axis) for r in swept}
         sizes = {len(reports[r].get("groups", {}).get(axis, [])) for r in swept}

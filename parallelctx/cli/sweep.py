@@ -15,6 +15,7 @@ from typing import Any
 
 from ..config import Config
 from ..planning.layout import Layout
+from ..planning.modules import ModulePlan
 from .sequences import check_calls
 
 __all__ = [
@@ -23,17 +24,53 @@ __all__ = [
     "check_membership",
     "check_plan",
     "check_same_across",
+    "covering_set",
     "parse_ranks",
+    "plan_of",
 ]
 
 Reports = Mapping[int, Mapping[str, Any]]
 
+# The keys of one layout's sizes in the parallel section (``order`` aside): beside
+# ``parallel.modules`` they are refused, so a report's section is read without them.
+_SIZE_KEYS = ("tensor", "pipeline", "context", "expert", "data", "gtp_remat")
 
-def parse_ranks(spec: str, world_size: int, seed: int = 0, layout: Layout | None = None) -> list[int]:
+
+def plan_of(parallel: Mapping[str, Any], world_size: int) -> Layout | ModulePlan:
+    """Return the layout a report's ``parallel`` section makes on ``world_size`` ranks: a
+    :class:`~parallelctx.planning.layout.Layout`, or with ``modules`` the
+    :class:`~parallelctx.planning.modules.ModulePlan` (the sizes beside ``modules``, which an
+    older report lists at their defaults, are left out).
+
+    Raises:
+        ValueError: the section is not a valid ``parallel`` section (ConfigError).
+        LayoutError: its sizes or modules do not fit ``world_size``.
+    """
+    section = dict(parallel)
+    if section.get("modules"):
+        section = {key: value for key, value in section.items() if key not in _SIZE_KEYS}
+    par = Config({"parallel": section}).parallel
+    return par.module_plan(world_size) if par.modules else par.to_layout(world_size)
+
+
+def covering_set(layout: Layout | ModulePlan) -> list[int]:
+    """Return the covering set of ``layout``
+    (:func:`parallelctx.planning.covering.covering_ranks`): with modules, every module's covering
+    set on its own ranks, together; ascending global ranks. Raises nothing."""
+    from ..planning.covering import covering_ranks
+
+    if isinstance(layout, Layout):
+        return covering_ranks(layout)
+    return sorted({rank for lay in layout.layouts.values() for rank in covering_ranks(lay)})
+
+
+def parse_ranks(
+    spec: str, world_size: int, seed: int = 0, layout: Layout | ModulePlan | None = None
+) -> list[int]:
     """Return the ranks ``--ranks`` names: ``all``, a list ``0,17,9000``, ``sample:N`` (rank 0,
     the last rank and N-2 others drawn with ``seed``), or ``cover`` (``layout``'s covering set,
-    :func:`parallelctx.planning.covering.covering_ranks`: every coordinate of every axis, rank 0
-    and the last rank), ascending.
+    :func:`covering_set`: every coordinate of every axis, of every module with
+    ``parallel.modules``, rank 0 and the last rank), ascending.
 
     Raises:
         ValueError: a malformed spec, a rank outside ``[0, world_size)``, or ``cover`` without a
@@ -43,8 +80,6 @@ def parse_ranks(spec: str, world_size: int, seed: int = 0, layout: Layout | None
     if spec == "all":
         return list(range(world_size))
     if spec == "cover":
-        from ..planning.covering import covering_ranks
-
         if layout is None:
             raise ValueError("--ranks cover needs the layout (the ranks cover its axes); pass layout=")
         if layout.world_size != world_size:
@@ -52,7 +87,7 @@ def parse_ranks(spec: str, world_size: int, seed: int = 0, layout: Layout | None
                 f"--ranks cover: the layout has {layout.world_size} ranks, not world_size={world_size}; "
                 "plan the layout for the world size swept"
             )
-        return covering_ranks(layout)
+        return covering_set(layout)
     if spec.startswith("sample:"):
         try:
             n = int(spec.split(":", 1)[1])
@@ -89,48 +124,132 @@ def _short(ranks: list[int] | None, limit: int = 12) -> str:
     return f"[{', '.join(map(str, ranks[:limit]))}, ... ({len(ranks)} ranks)]"
 
 
+def _plan_differences(rank: int, layout: Layout, got: Mapping[str, Any], whose: str) -> list[str]:
+    """``rank``'s groups ``got`` (mode -> members) against ``layout``'s for it; ``whose`` names
+    the module (``"vision "``) or is empty."""
+    want = {m.value: layout.group_of(m, rank) for m in layout.modes() if m.value != "global"}
+    want = {m: g for m, g in want.items() if g}
+    return [
+        f"rank {rank}: its {whose}{mode} group is {_short(got.get(mode))} but plan says "
+        f"{_short(want.get(mode)) if mode in want else 'none'}"
+        for mode in sorted(set(want) | set(got))
+        if want.get(mode) != got.get(mode)
+    ]
+
+
+def _span(layout: Layout) -> str:
+    return f"{layout.offset}-{layout.offset + layout.world_size - 1}"
+
+
+def _module_differences(rank: int, rep: Mapping[str, Any], plan: ModulePlan) -> list[str]:
+    """A report of a job with ``parallel.modules`` against the plan: the rank's modules, the one
+    it answers for, and each module's ranks and groups."""
+    mine = plan.of_rank(rank)
+    got = rep.get("modules")
+    if not isinstance(got, Mapping):
+        return [
+            f"rank {rank}: its report holds no modules, but plan says it belongs to {', '.join(mine)}; "
+            "the dry run recorded one layout for a job of several"
+        ]
+    out: list[str] = []
+    if tuple(got) != mine:
+        out.append(
+            f"rank {rank}: its report holds modules {', '.join(got) or 'none'} but plan says "
+            f"{', '.join(mine)} (in the config's order)"
+        )
+    primary = plan.primary(rank)
+    if rep.get("module") != primary:
+        out.append(f"rank {rank}: gpc answers for module {rep.get('module')!r} but plan says {primary!r}")
+    else:  # the top-level groups are the primary module's
+        out += _plan_differences(rank, plan.layouts[primary], rep.get("groups", {}), "")
+    for name in mine:
+        if name not in got:
+            continue
+        layout = plan.layouts[name]
+        ranks = got[name].get("ranks")
+        if ranks != [[layout.offset, layout.offset + layout.world_size - 1]]:
+            shown = ", ".join(f"{a}-{b}" for a, b in ranks) if isinstance(ranks, list) else repr(ranks)
+            out.append(f"rank {rank}: module {name}'s ranks are {shown} but plan says {_span(layout)}")
+        out += _plan_differences(rank, layout, got[name].get("groups", {}), f"{name} ")
+    return out
+
+
 def check_plan(reports: Reports) -> list[str]:
     """Every rank's groups equal ``plan``'s for that rank (the layout rebuilt from the
-    report's ``parallel`` section and world size): a mode missing or extra, or other members."""
+    report's ``parallel`` section and world size, :func:`plan_of`): a mode missing or extra, or
+    other members. With ``parallel.modules``, per module: the rank holds the modules the plan
+    gives it, ``gpc`` answers for its primary one, and each module's ranks and groups are the
+    plan's."""
     out: list[str] = []
-    layouts: dict[str, Layout] = {}
+    layouts: dict[str, Layout | ModulePlan] = {}
     for rank, rep in sorted(reports.items()):
         if "parallel" not in rep:
             continue
         key = repr((rep["parallel"], rep["world_size"]))
         if key not in layouts:
-            layouts[key] = Config({"parallel": rep["parallel"]}).parallel.to_layout(rep["world_size"])
+            layouts[key] = plan_of(rep["parallel"], rep["world_size"])
         layout = layouts[key]
-        want = {m.value: layout.group_of(m, rank) for m in layout.modes() if m.value != "global"}
-        want = {m: g for m, g in want.items() if g}
-        got = rep.get("groups", {})
-        for mode in sorted(set(want) | set(got)):
-            if want.get(mode) != got.get(mode):
-                out.append(
-                    f"rank {rank}: its {mode} group is {_short(got.get(mode))} but plan says "
-                    f"{_short(want.get(mode)) if mode in want else 'none'}"
-                )
+        if isinstance(layout, ModulePlan):
+            out += _module_differences(rank, rep, layout)
+        else:
+            out += _plan_differences(rank, layout, rep.get("groups", {}), "")
     return out
+
+
+def _listed_alike(reports: Reports, lists: Mapping[int, Mapping[str, list[int]]], whose: str) -> list[str]:
+    """Each group listed in ``lists`` (rank -> {mode: members}) lists its rank and is listed the
+    same by every swept member (named in ascending rank, mode and member order). Equal lists
+    are compared once, so a group of thousands of swept members costs its size, not its square."""
+    found: list[tuple[int, str, int, str]] = []
+    by_mode: dict[str, dict[int, tuple[int, ...]]] = {}
+    canonical: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for rank, groups in lists.items():
+        for mode, members in groups.items():
+            key = tuple(members)
+            by_mode.setdefault(mode, {})[rank] = canonical.setdefault(key, key)
+    for mode, listed in by_mode.items():
+        listers: dict[tuple[int, ...], list[int]] = {}
+        for rank, key in listed.items():
+            listers.setdefault(key, []).append(rank)
+        for key, ranks in listers.items():
+            held = set(key)
+            inside = []
+            for rank in ranks:
+                if rank in held:
+                    inside.append(rank)
+                else:
+                    text = (
+                        f"rank {rank}: its {whose}{mode} group {_short(list(key))} does not list rank {rank}"
+                    )
+                    found.append((rank, mode, -1, text))
+            for index, peer in enumerate(key):
+                if peer not in reports or listed.get(peer) is key:
+                    continue
+                theirs = listed.get(peer)
+                for rank in inside:
+                    if rank < peer:
+                        text = (
+                            f"{whose}{mode} group: rank {rank} lists {_short(list(key))} but rank {peer} "
+                            f"lists {_short(list(theirs)) if theirs is not None else 'no such group'}"
+                        )
+                        found.append((rank, mode, index, text))
+    return [text for *_, text in sorted(found)]
 
 
 def check_membership(reports: Reports) -> list[str]:
     """Each group's member list is the same on all its (swept) members, and a rank is in the
-    group it lists."""
-    out: list[str] = []
-    for rank, rep in sorted(reports.items()):
-        for mode, members in sorted(rep.get("groups", {}).items()):
-            if rank not in members:
-                out.append(f"rank {rank}: its {mode} group {_short(members)} does not list rank {rank}")
-                continue
-            for peer in members:
-                if peer == rank or peer not in reports or peer < rank:
-                    continue
-                theirs = reports[peer].get("groups", {}).get(mode)
-                if theirs != members:
-                    out.append(
-                        f"{mode} group: rank {rank} lists {_short(members)} but rank {peer} "
-                        f"lists {_short(theirs) if theirs is not None else 'no such group'}"
-                    )
+    group it lists; with ``parallel.modules`` also each module's groups, module by module."""
+    out = _listed_alike(reports, {r: rep.get("groups", {}) for r, rep in reports.items()}, "")
+    names: dict[str, None] = {}
+    for rep in reports.values():
+        names.update(dict.fromkeys(rep.get("modules") or {}))
+    for name in names:
+        lists = {
+            r: rep["modules"][name].get("groups", {})
+            for r, rep in reports.items()
+            if name in (rep.get("modules") or {})
+        }
+        out += _listed_alike(reports, lists, f"{name} ")
     return out
 
 

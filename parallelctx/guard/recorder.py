@@ -15,7 +15,7 @@ import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -24,7 +24,7 @@ from ..planning.simulation import Simulation
 from .ledger import P2P_KINDS, CallLedger, describe, p2p_async, tensor_text
 from .patch import Patches
 
-__all__ = ["COLLECTIVES", "NOT_FORWARDED", "DryRun", "GroupCall", "install_recorders"]
+__all__ = ["COLLECTIVES", "NOT_FORWARDED", "DryRun", "GroupCall", "install_recorders", "rank_runs"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -86,6 +86,18 @@ def _torch_dir() -> str:
     import torch
 
     return os.path.normcase(os.path.dirname(os.path.abspath(torch.__file__))) + os.sep
+
+
+def rank_runs(ranks: Iterable[int]) -> list[list[int]]:
+    """Return ``ranks`` (ascending) as runs of consecutive ranks, ``[[first, last], ...]``: a
+    module's ranks 2048-16383 are ``[[2048, 16383]]``, however many they are. Raises nothing."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = int(rank)
+        else:
+            runs.append([int(rank), int(rank)])
+    return runs
 
 
 @dataclass
@@ -158,11 +170,17 @@ class DryRun:
         calls: int,
         layout: str,
         parallel: Mapping[str, Any],
+        module: str | None = None,
+        modules: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         """Keep what a launch of ``seconds`` gave this rank: its coordinates (mode -> local
         rank), groups (mode -> global ranks, the world's aside), seeds (stream -> seed), the
         ``new_group`` calls it made, the layout's description and the config's parallel section;
-        a later launch in the same run replaces them. Returns None."""
+        a later launch in the same run replaces them. With ``parallel.modules``: ``module``, the
+        module plain ``gpc`` answers for (whose coordinates, groups and seeds those are), and
+        ``modules``, every module this rank belongs to (name -> ``ranks``, the module's ranks as
+        ``[first, last]`` runs, ``layout``, ``coords``, ``groups`` and ``seeds`` as above).
+        Returns None."""
         self.launches += 1
         self.launched = {
             "coords": dict(coords),
@@ -173,6 +191,9 @@ class DryRun:
             "layout": layout,
             "parallel": dict(parallel),
         }
+        if modules is not None:
+            self.launched["module"] = module
+            self.launched["modules"] = {name: dict(entry) for name, entry in modules.items()}
 
     def report(self) -> dict[str, Any]:
         """Return the rank's report as a JSON-ready dict: ``world_size``, ``rank``,
@@ -181,7 +202,10 @@ class DryRun:
         ``new_group`` call of the run, gpc's included), ``launch_s``, ``values`` and
         ``same_across`` (what :func:`record` registered), ``collectives`` {kind: calls}, ``calls``
         (the :class:`~parallelctx.guard.ledger.CallLedger`, None when not recorded),
-        ``new_groups`` (each call: ranks, local, desc, where) and ``launches``."""
+        ``new_groups`` (each call: ranks, local, desc, where) and ``launches``; with
+        ``parallel.modules`` also ``module`` (the module ``coords``, ``groups`` and ``seeds``
+        are of) and ``modules`` (each module of this rank: its ``ranks``, ``layout``,
+        ``coords``, ``groups`` and ``seeds``; :meth:`note_launch`)."""
         return {
             "world_size": self.sim.world_size,
             "rank": self.sim.rank,

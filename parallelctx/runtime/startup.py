@@ -663,6 +663,7 @@ def _start_dry(config: ConfigLike, raw: Mapping[str, Any], dry: DryRun, guard: G
     ``dry`` records from here (until ``destroy()`` unless ``parallelctx dry-run`` armed it) and
     notes the launch in its report."""
     from ..config import to_timedelta
+    from ..guard.recorder import rank_runs
 
     begin = time.perf_counter()
     cfg = load_config(config if config is not None else dry.config)
@@ -688,18 +689,44 @@ def _start_dry(config: ConfigLike, raw: Mapping[str, Any], dry: DryRun, guard: G
         raise
     seconds = time.perf_counter() - begin
     seeds = launched.streams.seeds if launched.streams is not None else {}
+
+    def coords_of(groups: Mapping[ParallelMode, ModeGroup]) -> dict[str, int]:
+        return {mode.value: g.ranks.index(sim.rank) for mode, g in groups.items()}
+
+    def groups_of(groups: Mapping[ParallelMode, ModeGroup]) -> dict[str, list[int]]:
+        return {mode.value: list(g.ranks) for mode, g in groups.items() if mode is not ParallelMode.GLOBAL}
+
+    def seeds_of(module: str | None) -> dict[str, int]:
+        # the module plain gpc answers for (and a job without modules) has the plain keys, the
+        # rank's other modules (module, key)
+        own = [(k, v) for k, v in seeds.items() if not isinstance(k, tuple)] if module is None else [
+            (k[1], v) for k, v in seeds.items() if isinstance(k, tuple) and k[0] == module
+        ]  # fmt: skip
+        return {str(getattr(k, "value", k)): int(v) for k, v in own}
+
+    modules: dict[str, dict[str, Any]] | None = None
+    if isinstance(layout, ModulePlan):
+        modules = {
+            name: {
+                "ranks": rank_runs(groups[ParallelMode.GLOBAL].ranks),
+                "layout": layout.layouts[name].describe(),
+                "coords": coords_of(groups),
+                "groups": groups_of(groups),
+                "seeds": seeds_of(None if name == launched.module else name),
+            }
+            for name, groups in launched.module_groups.items()
+        }
     dry.note_launch(
-        coords={mode.value: g.ranks.index(sim.rank) for mode, g in launched.groups.items()},
-        groups={
-            mode.value: list(g.ranks)
-            for mode, g in launched.groups.items()
-            if mode is not ParallelMode.GLOBAL
-        },
-        seeds={str(getattr(k, "value", k)): int(v) for k, v in seeds.items()},
+        coords=coords_of(launched.groups),
+        groups=groups_of(launched.groups),
+        seeds=seeds_of(None),
         seconds=seconds,
         calls=launched.group_calls,
         layout=layout.describe(),
-        parallel=cfg.parallel.model_dump(mode="json"),
+        # with modules only the keys given: the sizes' defaults beside modules would not load
+        parallel=cfg.parallel.model_dump(mode="json", exclude_unset=modules is not None),
+        module=launched.module,
+        modules=modules,
     )
     logger.info(
         "parallelctx dry run: rank %d of %d (%s) on the fake backend, %d new_group calls, launch %.3f s",
