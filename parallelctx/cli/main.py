@@ -85,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="G",
         help="ranks per node: node = rank // G, as torchrun and srun place them",
     )
-    p.add_argument("--config", default=None, help="take sizes and order from this config's parallel section")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="take sizes and order from this config's parallel section (parallel.modules: each module's layout)",
+    )
     p.add_argument("--tensor", type=int, default=None)
     p.add_argument("--pipeline", type=int, default=None)
     p.add_argument("--context", type=int, default=None)

@@ -14,9 +14,20 @@ from typing import Any
 import numpy as np
 
 from ..planning.layout import Layout, ParallelMode
+from ..planning.modules import ModulePlan
 from .placement import node_ids, span_of_groups
 
-__all__ = ["MAX_RANKS", "PictureError", "draw", "picture_modes"]
+__all__ = [
+    "MAX_RANKS",
+    "NO_GROUP",
+    "OUTSIDE",
+    "PictureError",
+    "cell_groups",
+    "draw",
+    "draw_modules",
+    "module_panels",
+    "picture_modes",
+]
 
 MAX_RANKS = 4096
 """The largest world :func:`draw` pictures; beyond it the cells would be too small to read."""
@@ -56,36 +67,177 @@ def _pyplot() -> Any:
     return plt
 
 
-def _panel(ax: Any, layout: Layout, mode: ParallelMode, per_node: int, cmap: Any) -> None:
-    world = layout.world_size
+OUTSIDE = -2
+""":func:`cell_groups`'s value for a rank outside the layout (another module's rank)."""
+
+NO_GROUP = -1
+""":func:`cell_groups`'s value for a rank of the layout in no group of the mode (the embedding's
+middle stages)."""
+
+
+def cell_groups(layout: Layout, mode: ParallelMode, world_size: int | None = None) -> np.ndarray:
+    """Return what each cell of a panel shows: for every rank of a ``world_size``-rank job
+    (default the layout's ranks from 0), the index of its group of ``mode`` in
+    ``layout.group_array(mode)`` (a colour each), :data:`NO_GROUP` for a rank of the layout in no
+    group of the mode, :data:`OUTSIDE` for a rank outside the layout (a module's panel shows
+    the whole job).
+
+    Raises:
+        PictureError: the layout's ranks go past ``world_size``.
+    """
+    world = layout.offset + layout.world_size if world_size is None else int(world_size)
+    if layout.offset + layout.world_size > world:
+        raise PictureError(
+            f"the layout holds ranks {layout.offset}-{layout.offset + layout.world_size - 1}, past "
+            f"world_size={world}: draw it on a world that holds its ranks"
+        )
+    groups = layout.group_array(mode)
+    colour_of = np.full(world, OUTSIDE, dtype=np.int64)
+    colour_of[layout.offset : layout.offset + layout.world_size] = NO_GROUP
+    colour_of[groups] = np.arange(groups.shape[0])[:, None]
+    return colour_of
+
+
+def _panel(
+    ax: Any,
+    layout: Layout,
+    mode: ParallelMode,
+    per_node: int,
+    cmap: Any,
+    world_size: int | None = None,
+    module: str | None = None,
+) -> None:
+    colour_of = cell_groups(layout, mode, world_size)
+    world = len(colour_of)
     nodes = -(-world // per_node)
     groups = layout.group_array(mode)
-    colour_of = np.full(world, -1, dtype=np.int64)  # -1: in no group (EMBEDDING middle stages)
-    colour_of[groups] = np.arange(groups.shape[0])[:, None]
     rgba = np.ones((nodes, per_node, 4))
     for rank in range(world):
         index = colour_of[rank]
+        if index == OUTSIDE:
+            continue  # white: another module's rank
         rgba[rank // per_node, rank % per_node] = (
             (0.85, 0.85, 0.85, 1.0) if index < 0 else cmap(_shade(index))
         )
     ax.imshow(rgba, aspect="equal", interpolation="nearest")
     label = world <= 256
     for rank in range(world if label else 0):
-        ax.text(rank % per_node, rank // per_node, str(rank), ha="center", va="center", fontsize=7)
+        shown = colour_of[rank] != OUTSIDE
+        ax.text(
+            rank % per_node,
+            rank // per_node,
+            str(rank),
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="black" if shown else "0.75",
+        )
     for edge in np.arange(-0.5, per_node, 1.0):
-        ax.axvline(edge, color="white", linewidth=0.6)
+        ax.axvline(edge, color="white" if module is None else "0.9", linewidth=0.6)
     for edge in np.arange(-0.5, nodes, 1.0):
         ax.axhline(edge, color="black", linewidth=1.6)
     _, widest, crossing = span_of_groups(groups, node_ids(world, per_node))
     where = "inside one node" if widest <= 1 else f"{crossing} group(s) span up to {widest} nodes"
-    ax.set_title(
-        f"{mode.value}: {groups.shape[0]} groups of {groups.shape[1]}\n{where}",
-        fontsize=9,
-        color="black" if widest <= 1 else "firebrick",
-    )
+    title = f"{mode.value if module is None else module + ' ' + mode.value}: {groups.shape[0]} groups of {groups.shape[1]}"
+    if module is not None and mode is ParallelMode.GLOBAL:  # the module's ranks, on the job's nodes
+        first, last = layout.offset, layout.offset + layout.world_size - 1
+        title = f"module {module}: ranks {first}-{last} ({layout.world_size} ranks)"
+        where, widest = f"on {last // per_node - first // per_node + 1} node(s)", 1
+    ax.set_title(f"{title}\n{where}", fontsize=9, color="black" if widest <= 1 else "firebrick")
     ax.set_yticks(range(nodes), [f"node {n}" for n in range(nodes)] if nodes <= 64 else None)
     ax.set_xticks([])
-    ax.set_gid(f"panel-{mode.value}")
+    ax.set_gid(f"panel-{mode.value}" if module is None else f"panel-{module}-{mode.value}")
+
+
+def _checked(
+    world_size: int, nproc_per_node: int | None, path: str | Path, fmt: str | None
+) -> tuple[int, str]:
+    """The per-node count and the format of a picture, checked; raises PictureError as :func:`draw`."""
+    if nproc_per_node is None or isinstance(nproc_per_node, bool) or int(nproc_per_node) < 1:
+        raise PictureError(
+            f"nproc_per_node={nproc_per_node!r}: a picture groups ranks by node; "
+            "pass --nproc-per-node G (the processes each node runs)"
+        )
+    if world_size > MAX_RANKS:
+        raise PictureError(
+            f"world_size={world_size} is above {MAX_RANKS} ranks, too many cells to read; "
+            "draw a smaller world with the same sizes per node, or use the text view"
+        )
+    fmt = (fmt or Path(path).suffix.lstrip(".")).lower()
+    if fmt not in ("png", "svg"):
+        raise PictureError(f"format {fmt!r} of {str(path)!r} is not supported; use a .png or .svg file")
+    return int(nproc_per_node), fmt
+
+
+def module_panels(plan: ModulePlan) -> dict[str, list[ParallelMode]]:
+    """Return the panels :func:`draw_modules` draws for each module, in the config's order: the
+    module's ranks (GLOBAL: its one group, in the job's grid) first, then
+    :func:`picture_modes` of its layout."""
+    return {name: [ParallelMode.GLOBAL, *picture_modes(lay)] for name, lay in plan.layouts.items()}
+
+
+def draw_modules(
+    plan: ModulePlan, nproc_per_node: int | None, path: str | Path, fmt: str | None = None
+) -> list[str]:
+    """Draw a job with ``parallel.modules`` (``plan``) with ``nproc_per_node`` ranks per node to
+    ``path``: one block of panels per module (:func:`module_panels`), each panel the whole job's
+    ranks on their nodes with the module's ranks coloured by group and the other modules' ranks
+    left white; the first panel of a block names the module and its ranks, the figure title
+    gives every module's ranks and layout (colocated modules get blocks of their own, on the
+    same ranks, and the title says ``colocated with``). The panel names (``module:mode``) are
+    stored in the file's metadata (``Description``).
+
+    Returns:
+        The names of the panels drawn, ``"vision:global"``, ``"vision:data"``, ..., in order.
+
+    Raises:
+        PictureError: as :func:`draw`, for the job's world size.
+    """
+    world = plan.world_size
+    per_node, fmt = _checked(world, nproc_per_node, path, fmt)
+    plt = _pyplot()
+    panels = module_panels(plan)
+    nodes = -(-world // per_node)
+    cols = min(_COLUMNS, max(len(modes) for modes in panels.values()))
+    rows_of = {name: math.ceil(len(modes) / cols) for name, modes in panels.items()}
+    rows = sum(rows_of.values())
+    cell = 0.32 if world <= 256 else 0.12
+    width = max(3.2, per_node * cell + 1.2) * cols
+    height = max(1.8, nodes * cell + 1.0) * rows + 0.5 + 0.25 * len(panels)
+    fig, axes = plt.subplots(rows, cols, figsize=(width, height), squeeze=False)
+    cmap = plt.get_cmap("tab20")
+    names: list[str] = []
+    try:
+        row = 0
+        for name, modes in panels.items():
+            block = list(axes[row : row + rows_of[name]].flat)
+            for ax, mode in zip(block, modes):
+                _panel(ax, plan.layouts[name], mode, per_node, cmap, world, module=name)
+                names.append(f"{name}:{mode.value}")
+            for ax in block[len(modes) :]:
+                ax.set_visible(False)
+            row += rows_of[name]
+        lines = []
+        for name, lay in plan.layouts.items():
+            together = [
+                o
+                for o, other in plan.layouts.items()
+                if o != name and (other.offset, other.world_size) == (lay.offset, lay.world_size)
+            ]
+            extra = f", colocated with {', '.join(together)}" if together else ""
+            lines.append(
+                f"{name}: ranks {lay.offset}-{lay.offset + lay.world_size - 1}{extra}: {lay.describe()}"
+            )
+        fig.suptitle(
+            f"{len(panels)} modules on {world} ranks, {per_node} ranks per node\n" + "\n".join(lines),
+            fontsize=10,
+        )
+        fig.tight_layout()
+        metadata = {"Description": "panels: " + ",".join(names)}
+        fig.savefig(path, format=fmt, dpi=110, metadata=metadata)
+    finally:
+        plt.close(fig)
+    return names
 
 
 def draw(layout: Layout, nproc_per_node: int | None, path: str | Path, fmt: str | None = None) -> list[str]:
@@ -103,22 +255,9 @@ def draw(layout: Layout, nproc_per_node: int | None, path: str | Path, fmt: str 
             not a positive integer, the world has more than :data:`MAX_RANKS` ranks, or ``fmt``
             (default: the file suffix) is neither ``png`` nor ``svg``.
     """
-    if nproc_per_node is None or isinstance(nproc_per_node, bool) or int(nproc_per_node) < 1:
-        raise PictureError(
-            f"nproc_per_node={nproc_per_node!r}: a picture groups ranks by node; "
-            "pass --nproc-per-node G (the processes each node runs)"
-        )
-    if layout.world_size > MAX_RANKS:
-        raise PictureError(
-            f"world_size={layout.world_size} is above {MAX_RANKS} ranks, too many cells to read; "
-            "draw a smaller world with the same sizes per node, or use the text view"
-        )
-    fmt = (fmt or Path(path).suffix.lstrip(".")).lower()
-    if fmt not in ("png", "svg"):
-        raise PictureError(f"format {fmt!r} of {str(path)!r} is not supported; use a .png or .svg file")
+    per_node, fmt = _checked(layout.world_size, nproc_per_node, path, fmt)
     plt = _pyplot()
     modes = picture_modes(layout) or [ParallelMode.GLOBAL]
-    per_node = int(nproc_per_node)
     nodes = -(-layout.world_size // per_node)
     cols = min(_COLUMNS, len(modes))
     rows = math.ceil(len(modes) / cols)

@@ -10,6 +10,7 @@ with the order or sizes that would fix them. Nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,10 +22,12 @@ __all__ = [
     "INTRA_NODE_MODES",
     "ModeSpan",
     "PlacementWarning",
+    "layout_nodes",
     "node_ids",
     "node_spans",
     "placement_warnings",
     "span_of_groups",
+    "uneven_nodes",
 ]
 
 INTRA_NODE_MODES: tuple[ParallelMode, ...] = (
@@ -127,8 +130,9 @@ def span_of_groups(groups: np.ndarray, nodes: np.ndarray) -> tuple[int, int, int
 
 
 def node_spans(layout: Layout, nodes: np.ndarray) -> list[ModeSpan]:
-    """Measure every mode of ``layout`` on the nodes ``nodes`` (one node label per rank; see
-    :func:`node_ids` for a launcher's placement).
+    """Measure every mode of ``layout`` on the nodes ``nodes`` (one node label per rank of the
+    layout, in order: ``nodes[i]`` is the node of global rank ``layout.offset + i``; see
+    :func:`node_ids` for a launcher's placement, :func:`layout_nodes` for a module's ranks).
 
     Returns:
         One :class:`ModeSpan` per mode, in :meth:`Layout.modes` order.
@@ -144,9 +148,28 @@ def node_spans(layout: Layout, nodes: np.ndarray) -> list[ModeSpan]:
     out = []
     for mode in layout.modes():
         groups = layout.group_array(mode)
-        lo, hi, crossing = span_of_groups(groups, nodes)
+        lo, hi, crossing = span_of_groups(groups - layout.offset if layout.offset else groups, nodes)
         out.append(ModeSpan(mode.value, int(groups.shape[1]), int(groups.shape[0]), lo, hi, crossing))
     return out
+
+
+def layout_nodes(layout: Layout, nproc_per_node: int) -> np.ndarray:
+    """Return the node of each rank of ``layout``, in order: ``(offset + i) // nproc_per_node``
+    for its i-th rank (a module's layout lies on global ranks from its offset; for a layout
+    without offset it is :func:`node_ids`).
+
+    Raises:
+        LayoutError: ``nproc_per_node`` is not a positive integer.
+    """
+    g = _check_nproc(nproc_per_node)
+    return (np.arange(layout.world_size, dtype=np.int64) + layout.offset) // g
+
+
+def _local_groups(layout: Layout, mode: ParallelMode) -> np.ndarray:
+    """The groups of ``mode`` in the layout's own rank numbers (``- offset``), to index
+    :func:`layout_nodes`."""
+    groups = layout.group_array(mode)
+    return groups - layout.offset if layout.offset else groups
 
 
 def _fast_first(order: str, first: tuple[str, ...]) -> str:
@@ -155,11 +178,11 @@ def _fast_first(order: str, first: tuple[str, ...]) -> str:
 
 
 def _crossing_modes(layout: Layout, nproc_per_node: int) -> list[ParallelMode]:
-    nodes = node_ids(layout.world_size, nproc_per_node)
+    nodes = layout_nodes(layout, nproc_per_node)
     return [
         mode
         for mode in INTRA_NODE_MODES
-        if layout.size(mode) > 1 and span_of_groups(layout.group_array(mode), nodes)[2] > 0
+        if layout.size(mode) > 1 and span_of_groups(_local_groups(layout, mode), nodes)[2] > 0
     ]
 
 
@@ -185,6 +208,8 @@ def _suggest(layout: Layout, mode: ParallelMode, nproc_per_node: int) -> str:
                 expert_tensor=layout.axis_size("etp"),
                 order=order,
             )
+            if layout.offset:  # a module: the same sizes on its own ranks
+                other = dataclasses.replace(other, offset=layout.offset)
         except LayoutError:
             continue
         if not _crossing_modes(other, nproc_per_node):
@@ -198,11 +223,35 @@ def _suggest(layout: Layout, mode: ParallelMode, nproc_per_node: int) -> str:
     )
 
 
-def placement_warnings(layout: Layout, nproc_per_node: int) -> list[PlacementWarning]:
+def uneven_nodes(world_size: int, nproc_per_node: int) -> PlacementWarning | None:
+    """The warning for ``nproc_per_node`` not dividing ``world_size`` (a last node only partly
+    filled), with the counts that would fill every node; None when it divides.
+
+    Raises:
+        LayoutError: ``nproc_per_node`` is not a positive integer.
+    """
+    g = _check_nproc(nproc_per_node)
+    if not world_size % g:
+        return None
+    full, rest = divmod(world_size, g)
+    below = max(d for d in range(1, g) if world_size % d == 0)
+    return PlacementWarning(
+        "uneven_nodes",
+        None,
+        f"nproc_per_node={g} does not divide world_size={world_size}: {full} full node(s) and one "
+        f"node with {rest} rank(s)",
+        f"run a multiple of {g} ranks (e.g. {(full + 1) * g}) or a per-node count that divides "
+        f"{world_size} (e.g. {below})",
+    )
+
+
+def placement_warnings(layout: Layout, nproc_per_node: int, whole_job: bool = True) -> list[PlacementWarning]:
     """Name the bad placements of ``layout`` with ``nproc_per_node`` ranks per node.
 
-    A warning is raised for ``nproc_per_node`` not dividing the world size, and for each of
-    TENSOR, CONTEXT and EXPERT_TENSOR whose groups touch more than one node (``rank // G``).
+    A warning is raised for ``nproc_per_node`` not dividing the world size (:func:`uneven_nodes`;
+    not with ``whole_job=False``, for one module's layout, whose job is warned about once), and
+    for each of TENSOR, CONTEXT and EXPERT_TENSOR whose groups touch more than one node
+    (``rank // G``, global ranks for a module's layout).
 
     Returns:
         The warnings, uneven nodes first, then the modes in :data:`INTRA_NODE_MODES` order;
@@ -213,25 +262,14 @@ def placement_warnings(layout: Layout, nproc_per_node: int) -> list[PlacementWar
     """
     g = _check_nproc(nproc_per_node)
     out: list[PlacementWarning] = []
-    world = layout.world_size
-    if world % g:
-        full, rest = divmod(world, g)
-        below = max(d for d in range(1, g) if world % d == 0)
-        out.append(
-            PlacementWarning(
-                "uneven_nodes",
-                None,
-                f"nproc_per_node={g} does not divide world_size={world}: {full} full node(s) and one "
-                f"node with {rest} rank(s)",
-                f"run a multiple of {g} ranks (e.g. {(full + 1) * g}) or a per-node count that divides "
-                f"{world} (e.g. {below})",
-            )
-        )
-    nodes = node_ids(world, g)
+    uneven = uneven_nodes(layout.world_size, g) if whole_job else None
+    if uneven is not None:
+        out.append(uneven)
+    nodes = layout_nodes(layout, g)
     for mode in INTRA_NODE_MODES:
         if layout.size(mode) <= 1:
             continue
-        _, hi, crossing = span_of_groups(layout.group_array(mode), nodes)
+        _, hi, crossing = span_of_groups(_local_groups(layout, mode), nodes)
         if crossing == 0:
             continue
         groups = layout.group_array(mode).shape[0]

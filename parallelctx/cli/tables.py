@@ -61,14 +61,15 @@ def layout_table(layout: Layout, modes: list[ParallelMode] | None = None) -> Tab
 def layout_picture(layout: Layout, max_ranks: int = 256) -> Text:
     """Return a picture of the dense grid: one block per pipeline stage, a row per data
     coordinate, a column per (context, tensor) coordinate (per (context, gtp_remat, tensor)
-    coordinate when the gtp_remat size is above 1), each cell a global rank.
+    coordinate when the gtp_remat size is above 1), each cell a global rank (from the layout's
+    offset for a module's layout).
 
     Worlds larger than ``max_ranks`` get a one-line note instead.
     """
     if layout.world_size > max_ranks:
         return Text(f"(grid picture omitted: {layout.world_size} ranks > {max_ranks})")
     strides = layout.strides("dense")
-    width = len(str(layout.world_size - 1))
+    width = len(str(layout.offset + layout.world_size - 1))
     gtp = layout.gtp_remat
     columns = [(cp, g, tp) for cp in range(layout.context) for g in range(gtp) for tp in range(layout.tensor)]
 
@@ -85,7 +86,7 @@ def layout_picture(layout: Layout, max_ranks: int = 256) -> Text:
             cells = []
             for cp, g, tp in columns:
                 rank = pp * strides["pp"] + dp * strides["dp"] + cp * strides["cp"] + tp * strides["tp"]
-                rank += g * strides["gtp_remat"]
+                rank += g * strides["gtp_remat"] + layout.offset
                 cells.append(f"{rank:>{cell}}")
             lines.append(f"  dp {dp:<3}" + " ".join(cells))
     return Text("\n".join(lines))
@@ -113,13 +114,15 @@ def render(
     modes: list[ParallelMode] | None = None,
     spans: list[ModeSpan] | None = None,
     nproc_per_node: int | None = None,
+    world_size: int | None = None,
 ) -> str:
-    """Return the table, the node placement (when ``spans`` and ``nproc_per_node`` are given)
-    and the picture as plain text (no colour codes)."""
+    """Return the table, the node placement (when ``spans`` and ``nproc_per_node`` are given;
+    the nodes of a ``world_size``-rank job, default the layout's: a module's job is larger) and
+    the picture as plain text (no colour codes)."""
     console = Console(width=120, record=True, color_system=None, file=io.StringIO())
     parts: list[Table | Text] = [layout_table(layout, modes)]
     if spans and nproc_per_node:
-        parts.append(placement_table(spans, layout.world_size, nproc_per_node))
+        parts.append(placement_table(spans, world_size or layout.world_size, nproc_per_node))
     parts.append(layout_picture(layout))
     console.print(Group(*parts))
     return console.export_text()
