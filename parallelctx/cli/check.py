@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..context import ParallelContext
 from ..planning.layout import Layout, ParallelMode
+from ..runtime.seed import STREAMS
 from .placement import span_of_groups
 from .timing import (
     DEFAULT_SIZES,
@@ -40,7 +41,18 @@ from .timing import (
 )
 from .verify import ModeCheck, probe_groups, probe_seeds, verify, verify_seeds
 
-__all__ = ["CheckReport", "ModeReport", "report_json", "report_table", "run", "run_checks"]
+__all__ = [
+    "CheckReport",
+    "ModeReport",
+    "ModulesCheckReport",
+    "modules_json",
+    "modules_table",
+    "report_json",
+    "report_table",
+    "run",
+    "run_checks",
+    "run_module_checks",
+]
 
 
 @dataclass
@@ -66,6 +78,8 @@ class CheckReport:
     seconds: float
     modes: list[ModeReport] = field(default_factory=list)
     seed_problems: list[str] = field(default_factory=list)
+    #: The module checked (``parallel.modules``; its ranks: ``gpc.module(name)``), None for a job's one layout.
+    module: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -95,6 +109,8 @@ def run_checks(
 
     Membership and seeds are compared with ``expected`` (default: the pure layout of ``ctx``'s
     sizes, ``ctx.layout``). ``progress`` receives a line per step (pass it on one rank only).
+    ``ctx`` may be a module's context (``gpc.module(name)``): its ranks call it, and the report
+    covers that module's groups.
 
     Returns:
         The :class:`CheckReport`, complete on every rank.
@@ -106,11 +122,12 @@ def run_checks(
     say = progress or (lambda line: None)
     begin = time.perf_counter()
     layout = expected or ctx.layout
+    ranks = ctx.get_ranks_in_group(ParallelMode.GLOBAL)  # a module's context: the module's ranks
     say("probing every group (all-reduce of one-hot rank vectors, all-gather of ranks)")
-    probed = dict(enumerate(_gather(ctx, probe_groups(ctx))))
+    probed = dict(zip(ranks, _gather(ctx, probe_groups(ctx))))
     checks = verify(layout, probed)
     say(f"timing all-reduce at {', '.join(format_size(s) for s in sizes)} ({iters} times each)")
-    timings = dict(enumerate(_gather(ctx, time_allreduce(ctx, sizes, iters, warmup, progress))))
+    timings = dict(zip(ranks, _gather(ctx, time_allreduce(ctx, sizes, iters, warmup, progress))))
     say("drawing from every seed stream")
     seed_problems = verify_seeds(layout, probe_seeds(ctx))
     hosts = np.unique(np.asarray(ctx.hostnames), return_inverse=True)[1]
@@ -161,8 +178,9 @@ def report_table(report: CheckReport) -> str:
     from rich.table import Table
 
     verdict = "all checks passed" if report.ok else "checks FAILED"
+    whose = f"module {report.module}: " if report.module is not None else ""
     table = Table(
-        title=f"parallelctx check: {report.layout} on {report.hosts} host(s), {report.backend}: {verdict}"
+        title=f"parallelctx check: {whose}{report.layout} on {report.hosts} host(s), {report.backend}: {verdict}"
     )
     for name in ("mode", "groups", "hosts", "membership"):
         table.add_column(name, justify="right" if name in ("groups", "hosts") else "left")
@@ -213,7 +231,7 @@ def report_json(report: CheckReport) -> dict[str, Any]:
             "max_hosts": mode.max_hosts,
             "timing": None if mode.timing is None else asdict(mode.timing),
         }
-    return {
+    out = {
         "ok": report.ok,
         "layout": report.layout,
         "world_size": report.world_size,
@@ -225,16 +243,116 @@ def report_json(report: CheckReport) -> dict[str, Any]:
         "modes": modes,
         "seeds": {"ok": not report.seed_problems, "problems": report.seed_problems},
     }
+    if report.module is not None:
+        out["module"] = report.module
+    return out
 
 
-def _progress(rank: int, quiet: bool) -> Callable[[str], None] | None:
+def _progress(rank: int, quiet: bool, module: str | None = None) -> Callable[[str], None] | None:
     if rank != 0 or quiet:
         return None
+    whose = f"module {module}: " if module is not None else ""
 
     def say(line: str) -> None:
-        print(f"parallelctx check: {line}", file=sys.stderr, flush=True)
+        print(f"parallelctx check: {whose}{line}", file=sys.stderr, flush=True)
 
     return say
+
+
+@dataclass
+class ModulesCheckReport:
+    """``parallelctx check`` of a job with ``parallel.modules``: one :class:`CheckReport` per
+    module (in the config's order) and the problems of seeds shared across a rank's modules;
+    :attr:`ok` when none failed."""
+
+    world_size: int
+    reports: dict[str, CheckReport]
+    seed_problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every module's checks passed and no rank's modules share a seed."""
+        return not self.seed_problems and all(r.ok for r in self.reports.values())
+
+
+def _module_seed_problems(ctx: ParallelContext) -> list[str]:
+    """This rank's seeds across its modules: two streams of two modules that start from the
+    same seed (two colocated modules would draw the same dropout masks)."""
+    seen: dict[int, str] = {}
+    out: list[str] = []
+    rank = ctx.get_global_rank()
+    for name in ctx.modules:
+        module = ctx.module(name)
+        for key in STREAMS:
+            seed = module.get_seed(key)
+            here = f"{name} {key}"
+            if seed in seen:
+                out.append(f"rank {rank}: {here} and {seen[seed]} start from the same seed {seed}")
+            seen.setdefault(seed, here)
+    return out
+
+
+def run_module_checks(
+    ctx: ParallelContext,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    iters: int = 5,
+    warmup: int = 1,
+    slow_factor: float = 2.0,
+    quiet: bool = True,
+) -> ModulesCheckReport:
+    """Prove and time every group of every module of a launched job with ``parallel.modules``:
+    each rank runs :func:`run_checks` for each of its modules in the config's order (the module's
+    ranks together), checks that its modules' seeds differ, and the reports are gathered over
+    the job's world. Collective: every rank calls it. ``quiet=False`` prints progress on rank 0.
+
+    Returns:
+        The :class:`ModulesCheckReport`, complete on every rank.
+
+    Raises:
+        NotLaunchedError: ``ctx`` is not launched.
+        ValueError: ``iters`` below 1 or ``warmup`` below 0; a job without modules (use
+            :func:`run_checks`).
+    """
+    if not ctx.modules:
+        raise ValueError("run_module_checks: this job has no parallel.modules; use run_checks(ctx)")
+    rank = ctx.get_global_rank()
+    mine: dict[str, CheckReport] = {}
+    for name in ctx.modules:
+        module = ctx.module(name)
+        report = run_checks(module, sizes, iters, warmup, slow_factor, _progress(rank, quiet, name))
+        report.module = name
+        if rank == module.get_ranks_in_group(ParallelMode.GLOBAL)[0]:  # one copy per module
+            mine[name] = report
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, _module_seed_problems(ctx)))
+    plan = ctx.launched.plan
+    order = list(plan.names) if plan is not None else list(ctx.modules)
+    reports: dict[str, CheckReport] = {}
+    problems: list[str] = []
+    for theirs, seeds in gathered:
+        reports.update(theirs)
+        problems += seeds
+    return ModulesCheckReport(dist.get_world_size(), {n: reports[n] for n in order if n in reports}, problems)
+
+
+def modules_table(report: ModulesCheckReport) -> str:
+    """Return :func:`report_table` of each module (its title names the module), then the
+    verdict on the seeds across modules."""
+    parts = [report_table(rep) for rep in report.reports.values()]  # each titled with its module
+    seeds = "ok" if not report.seed_problems else "FAILED"
+    lines = [f"seeds across modules: {seeds}", *(f"  {p}" for p in report.seed_problems[:10])]
+    return "\n".join(parts) + "\n".join(lines) + "\n"
+
+
+def modules_json(report: ModulesCheckReport) -> dict[str, Any]:
+    """Return the report as a JSON-ready dict: ``ok``, ``world_size``, ``modules`` (each
+    module's :func:`report_json`) and ``module_seeds`` (``ok``, ``problems``)."""
+    return {
+        "ok": report.ok,
+        "world_size": report.world_size,
+        "modules": {name: report_json(rep) for name, rep in report.reports.items()},
+        "module_seeds": {"ok": not report.seed_problems, "problems": report.seed_problems},
+    }
 
 
 def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | None = None) -> int:
@@ -270,6 +388,12 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
         if prepare is not None:
             prepare(gpc)
         rank = gpc.get_global_rank()
+        if gpc.modules:  # parallel.modules: every module's groups, module by module
+            modules = run_module_checks(gpc, sizes, args.iters, args.warmup, args.slow_factor, args.quiet)
+            if rank == 0:
+                text = json.dumps(modules_json(modules)) + "\n" if args.json else modules_table(modules)
+                print(text, end="", flush=True)
+            return 0 if modules.ok else 1  # every rank holds every module's report
         report = run_checks(
             gpc, sizes, args.iters, args.warmup, args.slow_factor, _progress(rank, args.quiet)
         )

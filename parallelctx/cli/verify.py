@@ -41,10 +41,14 @@ def probe_groups(ctx: ParallelContext) -> dict[str, dict[str, Any]]:
     ``prev``, ``first``, ``last``) for comparison. Modes of size 1 are measured the same way, over
     their one-rank groups.
 
+    A module's context (``gpc.module(name)``, ``parallel.modules``) is measured the same way,
+    over the module's groups; its members are global ranks of the job.
+
     Returns:
         ``{mode name: {...}}`` for every mode this rank belongs to.
     """
-    world = ctx.get_world_size(ParallelMode.GLOBAL)
+    # one slot per global rank up to the layout's last (a module's ranks start at its offset)
+    world = max(ctx.get_world_size(ParallelMode.GLOBAL), ctx.layout.offset + ctx.layout.world_size)
     rank = ctx.get_global_rank()
     out: dict[str, dict[str, Any]] = {}
     for mode in ParallelMode:
