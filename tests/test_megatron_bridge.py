@@ -93,7 +93,7 @@ if RELEASE.gtp:  # 0.19 on: generalized tensor parallelism, dense and expert
         },
     ]
 # parallel_state's getters and keyword combinations by release (found by inspect in the workers)
-GETTER_COUNTS = {"0.16": (62, 131), "0.19": (66, 156)}
+GETTER_COUNTS = {"0.16": (62, 131), "0.17": (59, 127), "0.18": (58, 122), "0.19": (66, 156)}
 LAYER_CASE: dict[str, Any] = {"name": "layers", "tp": 2, "pp": 1, "cp": 1, "ep": 2, "etp": 2, "order": D}
 
 
@@ -518,27 +518,36 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
                 bridge.install(**{name: value})
             assert why in str(err.value), (name, str(err.value))
             assert not bridge.is_installed()
-        if RELEASE.gtp:  # 0.19's options: sizes checked against gpc, the sub-world ones refused
-            extra = {
-                "gtp_remat_size": (2, "parallel.gtp_remat=1"),
-                "expert_gtp_remat_size": (2, "parallel.expert.gtp_remat=1"),
-                "rank_offset": (4, "sub-world"),
-                "local_world_size": (4, "whole world"),
-            }
-            for name, (value, why) in extra.items():
-                with pytest.raises(ValueError, match=name) as err:
-                    bridge.install(**{name: value})
-                assert why in str(err.value), (name, str(err.value))
+        # options some releases have: the sizes checked against gpc, the sub-world ones refused
+        extra = {
+            "gtp_remat_size": (2, "parallel.gtp_remat=1"),  # 0.19 on
+            "expert_gtp_remat_size": (2, "parallel.expert.gtp_remat=1"),  # 0.19 on
+            "rank_offset": (4, "sub-world"),  # 0.17 on
+            "local_world_size": (4, "whole world"),  # 0.17 on
+        }
+        for name, (value, why) in extra.items():
+            if name not in RELEASE.options:
+                continue
+            with pytest.raises(ValueError, match=name) as err:
+                bridge.install(**{name: value})
+            assert why in str(err.value), (name, str(err.value))
         with pytest.raises(TypeError, match="encoder_tensor_model_parallel_size"):
             bridge.install(encoder_tensor_model_parallel_size=1)
         # an option of another release is refused as that release's Megatron refuses it
-        other = "create_all_gather_group" if RELEASE.gtp else "gtp_remat_size"
+        all_gather = "create_all_gather_group" in RELEASE.options  # 0.16 and 0.17
+        other = "gtp_remat_size" if all_gather else "create_all_gather_group"
         with pytest.raises(TypeError, match=f"{other}.*{RELEASE.version}"):
             bridge.install(**{other: 1})
-        by_release = (
-            dict(gtp_remat_size=1, expert_gtp_remat_size=1, rank_offset=0, local_world_size=1)
-            if RELEASE.gtp
-            else dict(create_all_gather_group=True)
+        accepted = dict(
+            gtp_remat_size=1,
+            expert_gtp_remat_size=1,
+            rank_offset=0,
+            local_world_size=1,
+            create_all_gather_group=True,
+        )
+        by_release = {name: value for name, value in accepted.items() if name in RELEASE.options}
+        assert (
+            len(by_release) == {"0.16": 1, "0.17": 3, "0.18": 2, "0.19": 4}[RELEASE.version.rsplit(".", 1)[0]]
         )
         # Megatron's defaults, and values equal to gpc's, are accepted by name
         bridge.install(
@@ -558,7 +567,7 @@ def test_install_options_by_megatron_name_are_given_or_refused_with_the_reason()
         )
         from megatron.core import parallel_state as ps
 
-        if not RELEASE.gtp:
+        if all_gather:
             assert ps.has_separate_all_gather_group()
         # Megatron's tracker options: CUDA-graph-safe states are refused by name
         from megatron.core import tensor_parallel
