@@ -119,9 +119,10 @@ class BridgeUtils(_Base):
         if launched:
             import parallelctx.megatron as bridge
 
-            ours = [*gpc._groups.values(), *gpc._cpu_groups.values(), *gpc._later_groups]
+            # every group gpc's guard holds: gpc's own and those bridges made with gpc.group_maker()
+            ours = [*gpc._groups.values(), *gpc._cpu_groups.values(), *(h.group for h in gpc._guard.held())]
             ours += list(bridge._state.created) if bridge._state is not None else []
-            ours += [g for _, made in bridge._collections.values() for g in made]
+            ours += [g for _, made in bridge._collections.values() for g in made.created]
             gpc.destroy()  # uninstalls too; the default group is the user's and stays
             # A group gpc or the bridge made and left alive is a bridge defect: destroying the
             # leaked groups below must not hide it (the test errors at teardown instead).
