@@ -245,11 +245,11 @@ def _png_description(data: bytes) -> str:
 def test_picture_draws_one_block_per_module(tmp_path: Path, capsys) -> None:
     from parallelctx.cli.picture import PictureError, draw_modules, module_panels
 
-    cfg = _config(tmp_path, MIXED)
+    cfg = _config(tmp_path, DISJOINT)
     png = tmp_path / "modules.png"
     assert main(["plan", "--config", str(cfg), "--nproc-per-node", "4", "--png", str(png)]) == 0
     assert capsys.readouterr().out == ""  # the picture instead of the text
-    mods = _plan(MIXED, 8)
+    mods = _plan(DISJOINT, 8)
     want = [f"{name}:{mode.value}" for name, modes in module_panels(mods).items() for mode in modes]
     assert _png_description(png.read_bytes()) == "panels: " + ",".join(want)
     svg = tmp_path / "modules.svg"
