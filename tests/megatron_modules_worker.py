@@ -8,8 +8,11 @@ case a vision model's output goes through Megatron's ``BridgeCommunicator`` on g
 3-stage tensor-parallel language model and back, under ``forbid_globals()``; then Megatron's own
 ``create_topology`` (``examples/mimo/training/topology.py``, the file at ``TOPOLOGY``) builds the
 same layout from its ``ModuleGridSpec``\\ s and each field, grid and role is compared by
-``torch.distributed.get_process_group_ranks``; then both are destroyed. Every rank writes
-``OUT/<case>-rank<r>.json``.
+``torch.distributed.get_process_group_ranks``; then both are destroyed. The ``ctx_*`` cases
+compare ``process_groups(gpc.module(name))`` with Megatron's own init or ``RankGenerator`` (any
+release); ``adopted`` checks that ``gpc.destroy()`` destroys the bridge's groups, ``abort`` (the
+last: the processes exit after it) that ``gpc.abort()`` ends a collective hung on one. Every rank
+writes ``OUT/<case>-rank<r>.json``.
 
 Megatron's topology and bridge communicator ask for NCCL (``backend="nccl"`` groups,
 ``torch.cuda.current_device()`` buffers): :func:`cpu_megatron` maps that backend to the default
@@ -26,6 +29,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -43,12 +47,14 @@ warnings.simplefilter("ignore")
 
 from megatron.core import ModelParallelConfig, tensor_parallel  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: E402
 from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 from parallelctx.megatron import release as _release  # noqa: E402
 
 RELEASE = _release.detect()
+NEXT = hasattr(HyperCommGrid, "register_view")  # 0.19 on: Megatron's MIMO grids
 
 # Every field create_topology sets (and the gtp ones, which it never sets), compared by members.
 FIELDS = (*bridge.MIMO_FIELDS, "tp_dp", "embd", "pos_embd", "tp_ep_pp_with_egtp_remat", "dp_cp_gtp_remat")
@@ -534,11 +540,68 @@ def gtp_rank_generator() -> dict[str, list[int]]:
     return {f: next(g for g in gen.get_ranks(t) if dist.get_rank() in g) for f, t in tokens.items()}
 
 
+# ------------------------------------------------------------------ teardown and abort of the bridge's groups
+def run_adopted_case(out_dir: Path) -> None:
+    """On a default group the worker made (gpc adopts it and leaves it alive at destroy):
+    gpc.destroy() destroys the groups the bridge made for the modules."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    parallelctx.launch_from_torch(dict(parallel=dict(modules=CASES["colocated"][0])))
+    rank = gpc.get_global_rank()
+    language = {n: bridge.process_groups(gpc.module(n)) for n in gpc.modules}["language"]
+    if NEXT:
+        bridge.hyper_comm_grids()
+    made = [g for k, s in bridge._sources.items() if k[1] == rank for g in s.created]
+    out: dict[str, Any] = {"rank": rank, "made": [members(g) for g in made]}
+    out["made_proven"] = [onehot(g) for g in made]
+    out["tp_dp_cp"] = members(language.tp_dp_cp)
+    gpc.destroy()
+    registry = dist.distributed_c10d._world.pg_map
+    out["alive_after_destroy"] = sum(1 for g in made if g in registry)
+    out["default_alive"] = dist.is_initialized() and dist.group.WORLD in registry
+    dist.barrier()
+    dist.destroy_process_group()  # the next launch makes its own default group
+    (out_dir / f"adopted-rank{rank}.json").write_text(json.dumps(out))
+
+
+def run_abort_case(out_dir: Path) -> None:
+    """gpc.abort() ends a collective hung on a group the bridge made (the language module's
+    tensor x data group, which gpc has no mode for): rank 1 stops joining it, rank 0's watchdog
+    aborts after 2 s. The last case: the processes exit after it."""
+    parallelctx.launch_from_torch(dict(parallel=dict(modules=CASES["colocated"][0])))
+    rank = gpc.get_global_rank()
+    language = [bridge.process_groups(gpc.module(n)) for n in ("vision", "language")][1]
+    group = language.tp_dp_cp  # made by the bridge: tensor x data (context 1) of the language module
+    out: dict[str, Any] = {"rank": rank, "group": members(group), "raised": None, "hung": False}
+    x = torch.ones(1)
+    dist.all_reduce(x, group=group)  # warm: every connection of the group is made
+    dist.barrier()
+    if rank == 0:
+        threading.Thread(target=lambda: (time.sleep(2), gpc.abort()), daemon=True).start()
+        began = time.monotonic()
+        try:
+            dist.all_reduce(x, group=group)
+            out["hung"] = True
+        except RuntimeError as exc:
+            out["raised"] = time.monotonic() - began
+            out["error"] = str(exc).splitlines()[0][:200]
+    (out_dir / f"abort-rank{rank}.json").write_text(json.dumps(out))
+    deadline = time.monotonic() + 120  # the others stay (their sockets open) until rank 0 is done
+    while rank != 0 and not (out_dir / "abort-rank0.json").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main() -> None:
     out_dir, topology_path, *cases = sys.argv[1:]
     topology = load_topology(topology_path) if topology_path != "-" else None
     for case in cases:
-        if case in CTX_CASES:
+        if case == "adopted":
+            run_adopted_case(Path(out_dir))
+        elif case == "abort":
+            run_abort_case(Path(out_dir))
+        elif case in CTX_CASES:
             run_ctx_case(case, Path(out_dir))
         else:
             run_case(case, topology, Path(out_dir))

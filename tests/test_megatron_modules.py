@@ -5,7 +5,9 @@ layout in turn, in the same processes:
 
 - every release: ``process_groups(gpc.module(name))`` for each module, against Megatron's own
   ``initialize_model_parallel`` + ``use_mpu_process_groups()`` (colocated modules span the world)
-  or its ``RankGenerator`` on the module's sub-world (``rank_offset``, disjoint modules);
+  or its ``RankGenerator`` on the module's sub-world (``rank_offset``, disjoint modules); the
+  groups the bridge made are destroyed by ``gpc.destroy()`` (on a default group gpc adopted,
+  which stays) and a collective hung on one ends at ``gpc.abort()`` (the last case);
 - megatron-core 0.19 on (``HyperCommGrid`` views, ``MultiModuleProcessGroupCollection``):
   ``multi_module_process_groups()``, ``hyper_comm_grids()``, ``RankRole`` and
   ``manual_seed_ranks()`` against ``create_topology`` from Megatron-LM's
@@ -110,6 +112,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str
     if NEXT:
         topology = str(_topology_file(out))
         cases += MIMO_CASES
+    cases += ["adopted", "abort"]  # the abort case ends the processes: last
     proc = run_torchrun(WORLD, ["tests/megatron_modules_worker.py", str(out), topology, *cases], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return {
@@ -147,6 +150,25 @@ def test_two_modules_never_share_an_entry_and_plain_gpc_is_its_primary_module(
     # once, on its members; the vision one is the world
     calls = [rec["bridge_new_group_calls"] for rec in records[case]]
     assert calls == ([1] * WORLD if case == "ctx_colocated" else [0] * WORLD)
+
+
+@pytest.mark.slow
+def test_gpc_destroy_destroys_the_groups_the_bridge_made_on_an_adopted_default_group(
+    records: dict[str, list[dict[str, Any]]],
+) -> None:
+    for rank, rec in enumerate(records["adopted"]):
+        language = [0, 1, 2, 3] if rank < 4 else [4, 5, 6, 7]  # its tensor x data group
+        assert rec["made"] == rec["made_proven"] == [language] and rec["tp_dp_cp"] == language
+        assert rec["alive_after_destroy"] == 0 and rec["default_alive"]
+
+
+@pytest.mark.slow
+def test_gpc_abort_ends_a_collective_hung_on_a_group_the_bridge_made(
+    records: dict[str, list[dict[str, Any]]],
+) -> None:
+    first = records["abort"][0]  # rank 1 never joins; rank 0's watchdog aborts after 2 s
+    assert first["group"] == [0, 1, 2, 3] and not first["hung"], first
+    assert first["raised"] is not None and 1.9 < first["raised"] < 10, first
 
 
 # ------------------------------------------------------------------ MIMO: megatron-core 0.19 on
