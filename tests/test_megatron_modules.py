@@ -466,6 +466,12 @@ def test_a_world_of_one_with_two_modules() -> None:
         if NEXT:
             with pytest.raises(LayoutError, match="needs parallel.modules"):
                 bridge.multi_module_process_groups()
+            with pytest.raises(LayoutError, match="needs parallel.modules"):
+                bridge.hyper_comm_grids()
+            grid = bridge.hyper_comm_grid()  # a job without modules: gpc's one layout
+            assert (grid.shape, grid.rank_offset) == ([1, 1, 1, 1], 0) and grid.get_pg("dp") is gpc.get_group(
+                "data"
+            )
         assert dist.get_process_group_ranks(bridge.process_groups(gpc).dp) == [0]
     finally:
         gpc.destroy()
