@@ -282,3 +282,19 @@ def test_without_any_copy_it_is_skipped_saying_what_to_set(megatron_lm: tuple[Pa
     with pytest.raises(pytest.skip.Exception) as err:
         _upstream_file(tmp)
     assert "MEGATRON_LM" in str(err.value) and tag in str(err.value) and "unreachable" in str(err.value)
+
+
+def test_every_supported_release_has_a_tag_a_venv_and_a_tested_version() -> None:
+    # release.py, the test extra's pin (.venv), the Makefile's venvs and the tags here name the
+    # same releases
+    import re
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    pinned = [r.split("==")[1] for r in extra if r.startswith("megatron-core==")]
+    makefile = (ROOT / "Makefile").read_text()
+    venvs = re.findall(r"^MCORE_VERSION_\d+\s*:=\s*(\S+)$", makefile, re.M)
+    assert sorted(TAGS) == sorted(_release.SUPPORTED_RELEASES)
+    assert all(TAGS[v].startswith(f"core_v{v}.") for v in TAGS)
+    assert tuple(sorted(pinned + venvs)) == _release.TESTED_VERSIONS
+    assert {v.rsplit(".", 1)[0] for v in _release.TESTED_VERSIONS} == set(_release.SUPPORTED_RELEASES)

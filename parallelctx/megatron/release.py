@@ -28,8 +28,10 @@ __all__ = ["SUPPORTED_RELEASES", "MegatronVersionError", "Release", "check", "de
 SUPPORTED_RELEASES = ("0.16", "0.17", "0.18", "0.19")
 """The megatron-core minor releases whose ``parallel_state`` the bridge knows."""
 
-TESTED_VERSIONS = ("0.16.1", "0.19.2")
-"""The versions the test suite runs the bridge under (``make test``, ``make test-megatron-next``)."""
+TESTED_VERSIONS = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+"""The versions the test suite runs the bridge under (0.16.1: ``make test``; the others: ``make
+test-megatron-017``, ``-018``, ``-019``, each in its own venv; all four: ``make
+test-megatron-upstream``)."""
 
 
 class MegatronVersionError(RuntimeError):
