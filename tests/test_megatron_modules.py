@@ -419,6 +419,9 @@ def test_a_world_of_one_with_two_modules() -> None:
     )
     try:
         vision, language = gpc.module("vision"), gpc.module("language")
+        with pytest.raises(LayoutError, match="global rank 0, which runs modules vision, language"):
+            bridge.install()  # parallel_state holds one layout: the other model would read it
+        assert not bridge.is_installed()
         with pytest.raises(TypeError, match="ctx=gpc or ctx=gpc.module"):
             bridge.process_groups("vision")  # type: ignore[arg-type]
         ours = bridge.process_groups(vision)

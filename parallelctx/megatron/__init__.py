@@ -210,7 +210,9 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
     """Make ``megatron.core.parallel_state`` answer from gpc's groups, as Megatron's own
     ``initialize_model_parallel`` would for gpc's sizes and order, and put Megatron's RNG tracker
     on gpc's streams. Every rank must call it, after launch, before creating other groups.
-    With ``parallel.modules`` it installs the rank's primary module (plain gpc's answers).
+    With ``parallel.modules`` it installs the rank's one module; a rank of several (colocated)
+    modules is refused: ``parallel_state`` holds one layout, and the other module's model would
+    read its groups without a word (pass each model ``pg_collection=process_groups(ctx)``).
 
     ``virtual_pipeline_model_parallel_size`` and ``options`` are ``initialize_model_parallel``'s
     keyword options by their Megatron names; each gives what Megatron gives or is refused by
@@ -231,9 +233,18 @@ def install(virtual_pipeline_model_parallel_size: int | None = None, **options: 
             it), e.g. ``virtual_pipeline_model_parallel_size`` with a pipeline of size 1 (Megatron
             refuses that too) or ``num_distributed_optimizer_instances > 1``.
         MegatronVersionError: megatron-core keeps other globals than the supported version.
+        LayoutError: this rank belongs to several modules of ``parallel.modules``.
     """
     global _state
     layout = _require_launched(gpc, "install()")
+    if len(gpc.modules) > 1:
+        raise LayoutError(
+            f"parallelctx.megatron.install() on global rank {gpc.get_global_rank()}, which runs modules "
+            f"{', '.join(gpc.modules)}: parallel_state holds one layout, so one module's model would read the "
+            "other's groups. Give each model its own groups instead: pg_collection=parallelctx.megatron."
+            "process_groups(gpc.module(name)) (or multi_module_process_groups()); forbid_globals() finds the "
+            "global reads left"
+        )
     release = _release.check()
     # In a local world (parallelctx.run_local) the ranks are threads sharing these modules: each
     # rank keeps its own parallel_state globals, RNG tracker hooks and install state.
