@@ -22,7 +22,7 @@ from typing import Any
 
 from .context import gpc
 from .guard.recorder import COLLECTIVES, NOT_FORWARDED, DryRun, GroupCall, install_recorders
-from .planning.layout import ParallelMode
+from .planning.layout import LayoutError, ParallelMode
 from .planning.simulation import SimulatedHosts, Simulation, parse_simulate, torchrun_environment
 from .runtime.simulate import fake_default_group
 
@@ -41,15 +41,19 @@ __all__ = [
 ]
 
 
-def record(key: str, value: Any, same_across: ParallelMode | str | None = None) -> None:
+def record(
+    key: str, value: Any, same_across: ParallelMode | str | None = None, module: str | None = None
+) -> None:
     """Add ``key: value`` to this rank's dry-run report (a no-op outside a dry run, so scripts
     keep the call). ``value`` must be JSON-serialisable (lists, dicts, numbers, strings;
     ``list(p.shape)`` for a shape). ``same_across="tensor"`` declares that every rank of a tensor
-    group must record the same value; ``parallelctx dry-run --ranks`` checks it.
+    group must record the same value; ``parallelctx dry-run --ranks`` checks it. ``module``
+    (``parallel.modules``): the groups are that module's (default: the rank's primary module).
 
     Raises:
         TypeError: ``key`` is not a string, or ``value`` does not serialise to JSON.
-        LayoutError: ``same_across`` names no parallel mode.
+        LayoutError: ``same_across`` names no parallel mode, or ``module`` is given without
+            ``same_across``.
     """
     if not isinstance(key, str):
         raise TypeError(f"record() takes a string key, not {key!r}")
@@ -61,9 +65,11 @@ def record(key: str, value: Any, same_across: ParallelMode | str | None = None) 
             "record list(tensor.shape), not the tensor"
         ) from None
     mode = ParallelMode.parse(same_across).value if same_across is not None else None
+    if module is not None and mode is None:
+        raise LayoutError(f"record({key!r}, ..., module={module!r}) needs same_across=<mode> of that module")
     dry = gpc.dry_run
     if dry is None:
         return
     dry.values[key] = value
     if mode is not None:
-        dry.same_across[key] = mode
+        dry.same_across[key] = mode if module is None else f"{module}:{mode}"

@@ -321,6 +321,27 @@ def test_sweep_checks_pass_the_plans_groups_and_name_a_wrong_module_group() -> N
     assert any(m.startswith("rank 3: its report holds no modules") for m in check_plan(bad))
 
 
+def test_a_value_declared_the_same_across_another_modules_group_is_checked_there() -> None:
+    from parallelctx.cli.sweep import check_same_across
+
+    reports = _reports(MIXED, 8)
+    mods = _plan(MIXED, 8)
+    audio = mods.layouts["audio"]
+    for rank, rep in reports.items():
+        if "audio" in rep["modules"]:  # one value per audio pipeline group ...
+            rep["same_across"] = {"shape": "audio:pipeline"}
+            rep["values"] = {"shape": audio.group_of("pipeline", rank)[0]}
+    assert check_same_across(reports) == []
+    odd = audio.group_of("pipeline", 1)[-1]
+    reports[odd]["values"]["shape"] = 99  # ... but one rank recorded another
+    (found,) = check_same_across(reports)
+    assert found.startswith("'shape' must be the same across the audio:pipeline group") and "99" in found
+    with pytest.raises(LayoutError, match="needs same_across"):
+        from parallelctx.dryrun import record
+
+        record("shape", 1, module="audio")
+
+
 def test_membership_of_a_large_group_is_compared_in_linear_time() -> None:
     # 4096 swept members of one data group (a data-parallel module swept whole): seconds would
     # be the square of the group's size, compared member by member

@@ -347,12 +347,16 @@ def _sequence_difference(
 
 def check_same_across(reports: Reports) -> list[str]:
     """Values a script declared ``same_across=MODE`` (:func:`parallelctx.dryrun.record`) agree
-    on every swept rank of each group of that mode."""
+    on every swept rank of each group of that mode (``MODULE:MODE``: of that module's)."""
     out: list[str] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
     for _, rep in sorted(reports.items()):
         for key, mode in sorted(rep.get("same_across", {}).items()):
-            members = rep.get("groups", {}).get(mode)
+            module, _, bare = mode.rpartition(":")
+            groups = (
+                rep.get("modules", {}).get(module, {}).get("groups", {}) if module else rep.get("groups", {})
+            )
+            members = groups.get(bare)
             if members is None:
                 continue
             ident = (key, tuple(members))
