@@ -5,14 +5,18 @@ For each case (a ``parallel.modules`` layout), in the same processes: gpc is lau
 ``parallelctx.megatron.multi_module_process_groups()``, ``hyper_comm_grids()`` and
 ``manual_seed_ranks()`` answer, every group proven by a one-hot all-reduce; in the ``bridge``
 case a vision model's output goes through Megatron's ``BridgeCommunicator`` on gpc's grids to a
-3-stage tensor-parallel language model and back, under ``forbid_globals()``; then Megatron's own
-``create_topology`` (``examples/mimo/training/topology.py``, the file at ``TOPOLOGY``) builds the
-same layout from its ``ModuleGridSpec``\\ s and each field, grid and role is compared by
-``torch.distributed.get_process_group_ranks``; then both are destroyed. The ``ctx_*`` cases
-compare ``process_groups(gpc.module(name))`` with Megatron's own init or ``RankGenerator`` (any
-release); ``adopted`` checks that ``gpc.destroy()`` destroys the bridge's groups, ``abort`` (the
-last: the processes exit after it) that ``gpc.abort()`` ends a collective hung on one. Every rank
-writes ``OUT/<case>-rank<r>.json``.
+3-stage tensor-parallel language model and back, under ``forbid_globals()``; then Megatron builds
+the same layout, by two references recorded side by side: ``"wheel"`` (always), the example's
+topology made from the megatron-core wheel's own ``HyperCommGrid``, ``create_pg`` and
+``parallel_state.default_embedding_ranks`` / ``default_position_embedding_ranks``
+(:func:`wheel_reference`, the example's facts restated in :data:`MIMO_GRID_FIELDS`), and
+``"create_topology"`` (where ``TOPOLOGY`` is a file, not ``-``), the example's own
+``create_topology`` (``examples/mimo/training/topology.py``) on its ``ModuleGridSpec``\\ s. Each
+field, grid and role is recorded by ``torch.distributed.get_process_group_ranks``; then all are
+destroyed. The ``ctx_*`` cases compare ``process_groups(gpc.module(name))`` with Megatron's own
+init or ``RankGenerator`` (any release); ``adopted`` checks that ``gpc.destroy()`` destroys the
+bridge's groups, ``abort`` (the last: the processes exit after it) that ``gpc.abort()`` ends a
+collective hung on one. Every rank writes ``OUT/<case>-rank<r>.json``.
 
 Megatron's topology and bridge communicator ask for NCCL (``backend="nccl"`` groups,
 ``torch.cuda.current_device()`` buffers): :func:`cpu_megatron` maps that backend to the default
@@ -67,6 +71,35 @@ FIELDS += (
     "dp_cp_ag",
     "expt_dp_ag",
 )
+
+# Megatron's MIMO example (examples/mimo/training/topology.py at core_v0.19.0), restated as facts
+# for the wheel-only reference below: each ProcessGroupCollection field it sets from a module's
+# HyperCommGrid, as (view, dims) of that grid (view None: the base view tp, cp, dp, pp, tp
+# fastest; "expert": expt_tp, ep, expt_dp, pp, sharing pp). The grid creates a group for each
+# distinct (view, dims) here and no other; embd and pos_embd (language module only) come from
+# parallel_state's default_embedding_ranks / default_position_embedding_ranks of each pp row.
+EXPERT_VIEW = "expert"
+MIMO_GRID_FIELDS: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "tp": (None, ("tp",)),
+    "cp": (None, ("cp",)),
+    "pp": (None, ("pp",)),
+    "dp": (None, ("dp",)),
+    "dp_cp": (None, ("dp", "cp")),
+    "intra_dp_cp": (None, ("dp", "cp")),  # the same group as dp_cp
+    "tp_cp": (None, ("tp", "cp")),
+    "tp_dp": (None, ("tp", "dp")),
+    "tp_dp_cp": (None, ("tp", "dp", "cp")),
+    "mp": (None, ("tp", "pp")),
+    "intra_dist_opt": (None, ("tp", "cp", "dp", "pp")),  # the module's every rank
+    "ep": (EXPERT_VIEW, ("ep",)),
+    "expt_tp": (EXPERT_VIEW, ("expt_tp",)),
+    "expt_dp": (EXPERT_VIEW, ("expt_dp",)),
+    "intra_expt_dp": (EXPERT_VIEW, ("expt_dp",)),  # the same group as expt_dp
+    "tp_ep": (EXPERT_VIEW, ("expt_tp", "ep")),
+    "tp_ep_pp": (EXPERT_VIEW, ("expt_tp", "ep", "pp")),
+}
+GRID_GROUPS: tuple[tuple[str | None, tuple[str, ...]], ...] = tuple(dict.fromkeys(MIMO_GRID_FIELDS.values()))
+"""The groups each reference grid creates (and each grid's facts read): 10 dense, 5 expert."""
 
 # name -> (gpc's parallel.modules, create_topology's specs (name, num_ranks, sizes)). ModuleGridSpec's
 # expt_tp defaults to 1 and gpc's expert tensor size to the tensor size: the specs say expt_tp.
@@ -160,9 +193,8 @@ def load_topology(path: str) -> Any:
 
 
 def grid_facts(grid: Any) -> dict[str, Any]:
-    """What Megatron reads of a grid, and every TOPOLOGY_GROUPS group's members by torch."""
-    from parallelctx.megatron.grid import TOPOLOGY_GROUPS
-
+    """What Megatron reads of a grid, and every GRID_GROUPS group's members by torch (a grid
+    lacking one raises KeyError)."""
     out: dict[str, Any] = {
         "shape": list(grid.shape),
         "dim_names": list(grid.dim_names),
@@ -172,12 +204,10 @@ def grid_facts(grid: Any) -> dict[str, Any]:
         "enum": {},
         "pgs": {},
     }
-    for view, combos in TOPOLOGY_GROUPS.items():
-        v = None if view == "base" else view
-        for dims in combos:
-            name = f"{view}:{'-'.join(dims)}"
-            out["enum"][name] = grid.get_rank_enum(list(dims), view=v)
-            out["pgs"][name] = members(grid.get_pg(list(dims), view=v))
+    for view, dims in GRID_GROUPS:
+        name = f"{view or 'base'}:{'-'.join(dims)}"
+        out["enum"][name] = grid.get_rank_enum(list(dims), view=view)
+        out["pgs"][name] = members(grid.get_pg(list(dims), view=view))
     out["replica_enum"] = grid._gen_rank_enum([d for d in grid.dim_names if d != "dp"])
     return out
 
@@ -201,6 +231,106 @@ def collection_facts(multi: Any, prove: bool) -> dict[str, Any]:
                 if isinstance(getattr(pgc, f, None), dist.ProcessGroup)
             }
     return out
+
+
+def seed_facts(multi: Any) -> dict[str, dict[str, int]]:
+    """model_parallel_cuda_manual_seed's rank arguments as a collection's groups give them."""
+    return {
+        n: {"tp_rank": p.tp.rank(), "ep_rank": p.ep.rank(), "etp_rank": p.expt_tp.rank()}
+        for n, p in multi.module_pgs.items()
+    }
+
+
+def reference_facts(multi: Any, grids: dict[str, Any], calls: int, seconds: float) -> dict[str, Any]:
+    """A reference topology's collection, grids, rank role and seed ranks, by members."""
+    from megatron.core.models.mimo.config.role import RankRole
+
+    return {
+        "collection": collection_facts(multi, prove=False),
+        "grids": {n: grid_facts(g) for n, g in grids.items()},
+        "role": role_facts(RankRole.build([n for n in grids if n != "language"], grids)),
+        "seed_ranks": seed_facts(multi),
+        "new_group_calls": calls,
+        "s": seconds,
+    }
+
+
+# ------------------------------------------------------------------ the wheel-only reference
+def wheel_reference(specs: list[dict[str, Any]]) -> tuple[Any, dict[str, Any], list[Any]]:
+    """Megatron's MIMO topology for ``specs`` (ModuleGridSpec's arguments) built from the
+    megatron-core wheel alone, no example file: for each module Megatron's ``HyperCommGrid``
+    (shape tp, cp, dp, pp with dp the ranks left over; ``rank_offset``; ``backend="nccl"``, which
+    :func:`cpu_megatron` maps to gloo) with the expert view (expt_tp, ep, expt_dp, pp, sharing
+    pp), its own ``create_pg`` for each of :data:`GRID_GROUPS` (``new_subgroups_by_enumeration``:
+    every rank of the job takes part), each field of :data:`MIMO_GRID_FIELDS` by its ``get_pg``;
+    on the language module (Megatron's ``MIMO_LANGUAGE_MODULE_KEY``) ``embd`` and ``pos_embd``
+    from ``parallel_state.default_embedding_ranks`` / ``default_position_embedding_ranks`` of each
+    row of ``grid.get_rank_enum("pp")`` (one ``new_group`` each, every rank). Run it under
+    :func:`cpu_megatron`.
+
+    Returns:
+        (the ``MultiModuleProcessGroupCollection`` of the modules this rank is in, with the
+        language module's name where it is one of them; ``{name: grid}``; the embedding groups
+        made, for :func:`destroy_wheel_reference`).
+    """
+    from megatron.core.models.mimo.config.role import MIMO_LANGUAGE_MODULE_KEY
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    rank = dist.get_rank()
+    grids: dict[str, Any] = {}
+    pgcs: dict[str, Any] = {}
+    embedding: list[Any] = []
+    for spec in specs:
+        n = spec["num_ranks"]
+        tp, cp, pp, ep, etp = (spec.get(k, 1) for k in ("tp", "cp", "pp", "ep", "expt_tp"))
+        assert n % (tp * cp * pp) == 0 and n % (etp * ep * pp) == 0, spec
+        grid = HyperCommGrid(
+            shape=[tp, cp, n // (tp * cp * pp), pp],
+            dim_names=["tp", "cp", "dp", "pp"],
+            rank_offset=spec.get("rank_offset", 0),
+            backend="nccl",
+        )
+        grid.register_view(
+            EXPERT_VIEW,
+            [etp, ep, n // (etp * ep * pp), pp],
+            ["expt_tp", "ep", "expt_dp", "pp"],
+            shared_dims=["pp"],
+        )
+        for view, dims in GRID_GROUPS:
+            grid.create_pg(list(dims), view=view)
+        pgc = ProcessGroupCollection()
+        for field, (view, dims) in MIMO_GRID_FIELDS.items():
+            setattr(pgc, field, grid.get_pg(list(dims), view=view))
+        pgc.embd = pgc.pos_embd = None
+        if spec["name"] == MIMO_LANGUAGE_MODULE_KEY:
+            for row in grid.get_rank_enum("pp"):
+                for field, ranks_of in (
+                    ("embd", ps.default_embedding_ranks),
+                    ("pos_embd", ps.default_position_embedding_ranks),
+                ):
+                    ranks = ranks_of(list(row))
+                    group = dist.new_group(ranks=ranks)
+                    embedding.append(group)
+                    if rank in row and rank in ranks:
+                        setattr(pgc, field, group)
+        grids[spec["name"]] = grid
+        pgcs[spec["name"]] = pgc
+    mine = {name: pgcs[name] for name, grid in grids.items() if grid.is_current_rank_in_grid()}
+    language = MIMO_LANGUAGE_MODULE_KEY if MIMO_LANGUAGE_MODULE_KEY in mine else None
+    return (
+        MultiModuleProcessGroupCollection(module_pgs=mine, language_model_module_name=language),
+        grids,
+        embedding,
+    )
+
+
+def destroy_wheel_reference(grids: dict[str, Any], embedding: list[Any]) -> None:
+    """Destroy the groups :func:`wheel_reference` made that this rank is in."""
+    for group in embedding:
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+    for grid in grids.values():
+        grid.destroy()
 
 
 # ------------------------------------------------------------------ the vision -> language bridge
@@ -488,25 +618,30 @@ def run_case(case: str, topology: Any, out_dir: Path) -> None:
         inspect.signature(model_parallel_cuda_manual_seed).bind(1234, **kwargs)  # Megatron's own names
     if case == "bridge":
         bridge_run(out)
-    # ---- Megatron's create_topology on the same layout
+    # ---- Megatron's references on the same layout: the wheel's own classes (always), and
+    # create_topology from the example file where it is at hand
+    references: dict[str, Any] = {}
     calls = [0]
     began = time.perf_counter()
     with cpu_megatron(calls):
-        topo = topology.create_topology([topology.ModuleGridSpec(**spec) for spec in specs])
-    out["theirs_s"] = time.perf_counter() - began
-    out["their_new_group_calls"] = calls[0]
-    out["theirs"] = collection_facts(topo.schedule_pg_collection, prove=False)
-    out["their_grids"] = {n: grid_facts(g) for n, g in topo.grids.items()}
-    names = [n for n in topo.grids if n != "language"]
-    out["their_role"] = role_facts(RankRole.build(names, topo.grids))
-    out["their_seed_ranks"] = {
-        n: {"tp_rank": p.tp.rank(), "ep_rank": p.ep.rank(), "etp_rank": p.expt_tp.rank()}
-        for n, p in topo.schedule_pg_collection.module_pgs.items()
-    }
+        wheel, wheel_grids, embedding = wheel_reference(specs)
+    references["wheel"] = reference_facts(wheel, wheel_grids, calls[0], time.perf_counter() - began)
+    with cpu_megatron(calls):
+        destroy_wheel_reference(wheel_grids, embedding)
+    if topology is not None:
+        calls = [0]
+        began = time.perf_counter()
+        with cpu_megatron(calls):
+            topo = topology.create_topology([topology.ModuleGridSpec(**spec) for spec in specs])
+        seconds = time.perf_counter() - began
+        references["create_topology"] = reference_facts(
+            topo.schedule_pg_collection, topo.grids, calls[0], seconds
+        )
+        with cpu_megatron(calls):
+            topo.destroy()
+    out["references"] = references
     if case == "gtp":  # what Megatron 0.19.2 offers for gtp on a sub-world: RankGenerator(rank_offset=)
         out["rank_generator"] = gtp_rank_generator()
-    with cpu_megatron(calls):
-        topo.destroy()
     gpc.destroy()
     out["bridge_state_after_destroy"] = len(bridge._sources) + len(bridge._collections) + len(bridge._grids)
     (out_dir / f"{case}-rank{rank}.json").write_text(json.dumps(out))

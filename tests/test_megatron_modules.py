@@ -10,24 +10,31 @@ layout in turn, in the same processes:
   which stays) and a collective hung on one ends at ``gpc.abort()`` (the last case);
 - megatron-core 0.19 on (``HyperCommGrid`` views, ``MultiModuleProcessGroupCollection``):
   ``multi_module_process_groups()``, ``hyper_comm_grids()``, ``RankRole`` and
-  ``manual_seed_ranks()`` against ``create_topology`` from Megatron-LM's
-  ``examples/mimo/training/topology.py`` (core_v0.19.0) on the same layout, field by field, on
-  every rank, for a colocated, a disjoint, an expert and a gtp_remat layout; and a vision
-  model's output through Megatron's ``BridgeCommunicator`` to a 3-stage language model and back
-  under ``forbid_globals()``, against a serial run.
+  ``manual_seed_ranks()`` against Megatron's MIMO topology on the same layout, field by field, on
+  every rank, for a colocated, a disjoint, an expert and a gtp_remat layout, by two references:
+  ``wheel`` (always, CI included), the topology of Megatron-LM's
+  ``examples/mimo/training/topology.py`` (core_v0.19.0) built from the megatron-core wheel's own
+  ``HyperCommGrid`` (with its expert view), ``create_pg`` for each dims combination the example
+  creates, and ``parallel_state.default_embedding_ranks`` / ``default_position_embedding_ranks``
+  over the grid's pp rows (the example's field -> dims facts restated in the worker), and
+  ``create_topology``, the example's own function, where the file is at hand (there the two
+  references must agree exactly); and a vision model's output through Megatron's
+  ``BridgeCommunicator`` to a 3-stage language model and back under ``forbid_globals()``, against
+  a serial run.
 
 Groups are compared by their members as ``torch.distributed.get_process_group_ranks`` gives
 them, and each of gpc's is proven by a one-hot all-reduce. The example file comes, first found
 first, from ``$MEGATRON_LM_TOPOLOGY`` (the file), ``$MEGATRON_LM`` (a Megatron-LM clone holding
 the tag: ``git show core_v0.19.0:examples/mimo/training/topology.py``), ``.cache/megatron-lm/``
-or GitHub; without any the 0.19 comparisons are skipped, saying so. Under megatron-core before
-0.19 those are skipped with that reason; the ``ctx=`` part runs on every release. The in-process
-tests (a world of one, the grid's rule against Megatron's own enumeration, the getters refused)
-are fast.
+or GitHub; without any, the ``create_topology`` cases are skipped, saying so and that the
+``wheel`` ones ran. Under megatron-core before 0.19 the MIMO tests are skipped with that reason;
+the ``ctx=`` part runs on every release. The in-process tests (a world of one, the grid's rule
+against Megatron's own enumeration, the getters refused) are fast.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -63,8 +70,9 @@ needs_next = pytest.mark.skipif(
 )
 
 
-def _topology_file(tmp: Path) -> Path:
-    """Megatron-LM's examples/mimo/training/topology.py at core_v0.19.0 (see the module docstring)."""
+def _topology_file(tmp: Path) -> Path | str:
+    """Megatron-LM's examples/mimo/training/topology.py at core_v0.19.0 (see the module
+    docstring), or why there is none (a sentence)."""
     given = os.environ.get("MEGATRON_LM_TOPOLOGY")
     clone = os.environ.get("MEGATRON_LM")
     cached = ROOT / ".cache" / "megatron-lm" / TAG / TOPOLOGY
@@ -92,7 +100,7 @@ def _topology_file(tmp: Path) -> Path:
             with urllib.request.urlopen(URL, timeout=30) as response:
                 text = response.read().decode()
         except OSError as exc:
-            pytest.skip(
+            return (
                 f"no copy of Megatron-LM's {TOPOLOGY} at {TAG}: MEGATRON_LM (a clone with the tag) and "
                 f"MEGATRON_LM_TOPOLOGY (the file) are unset, {cached} does not exist, and GitHub is "
                 f"unreachable ({exc})"
@@ -103,21 +111,41 @@ def _topology_file(tmp: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+def topology(tmp_path_factory: pytest.TempPathFactory) -> Path | str:
+    """The example file, or why there is none (megatron-core 0.19 on; "-" before)."""
+    return _topology_file(tmp_path_factory.mktemp("megatron_lm")) if NEXT else "-"
+
+
+@pytest.fixture(scope="module")
+def records(
+    tmp_path_factory: pytest.TempPathFactory, topology: Path | str
+) -> dict[str, list[dict[str, Any]]]:
     """Every rank's record of every case, ``{case: [rank 0, ..., rank 7]}``."""
     from torchrun_helpers import run_torchrun
 
     out = tmp_path_factory.mktemp("megatron_modules")
-    topology, cases = "-", list(CTX_CASES)
+    cases = list(CTX_CASES)
     if NEXT:
-        topology = str(_topology_file(out))
         cases += MIMO_CASES
     cases += ["adopted", "abort"]  # the abort case ends the processes: last
-    proc = run_torchrun(WORLD, ["tests/megatron_modules_worker.py", str(out), topology, *cases], timeout=1200)
+    given = str(topology) if isinstance(topology, Path) else "-"
+    proc = run_torchrun(WORLD, ["tests/megatron_modules_worker.py", str(out), given, *cases], timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return {
         case: [json.loads((out / f"{case}-rank{r}.json").read_text()) for r in range(WORLD)] for case in cases
     }
+
+
+def _reference(topology: Path | str, reference: str) -> str:
+    """``reference``, after skipping, saying so, the create_topology one without the example file."""
+    if reference == "create_topology" and not isinstance(topology, Path):
+        pytest.skip(
+            f"create_topology not compared: {topology}. The wheel-based reference ran instead (the "
+            "[wheel] cases of these tests): Megatron's own HyperCommGrid, create_pg and "
+            "default_embedding_ranks / default_position_embedding_ranks from the megatron-core wheel "
+            "(tests/megatron_modules_worker.py)"
+        )
+    return reference
 
 
 # ------------------------------------------------------------------ process_groups(ctx): every release
@@ -172,12 +200,21 @@ def test_gpc_abort_ends_a_collective_hung_on_a_group_the_bridge_made(
 
 
 # ------------------------------------------------------------------ MIMO: megatron-core 0.19 on
-def _differences(rec: dict[str, Any]) -> dict[tuple[str, str], tuple[Any, Any]]:
-    ours, theirs = rec["ours"], rec["theirs"]
+# Each MIMO comparison runs against two references of Megatron's (tests/megatron_modules_worker.py):
+# "wheel", the example's topology built from the megatron-core wheel's own HyperCommGrid, create_pg
+# and embedding-rank functions (always: CI has no Megatron-LM clone), and "create_topology", the
+# example file itself (skipped, saying so, where no copy is at hand).
+REFERENCES = ("wheel", "create_topology")
+
+
+def _differences(rec: dict[str, Any], reference: str) -> dict[tuple[str, str], tuple[Any, Any]]:
+    """``{(module, field): (ours, the reference's)}`` for every field whose members differ."""
+    ours, theirs = rec["ours"], rec["references"][reference]["collection"]
     assert list(ours["modules"]) == list(theirs["modules"]) == rec["modules"]
     assert ours["language"] == theirs["language"]
     out = {}
     for module, facts in ours["modules"].items():
+        assert facts["fields"].keys() == theirs["modules"][module]["fields"].keys()
         for field, members in facts["fields"].items():
             if members != theirs["modules"][module]["fields"][field]:
                 out[module, field] = (members, theirs["modules"][module]["fields"][field])
@@ -188,17 +225,23 @@ def _differences(rec: dict[str, Any]) -> dict[tuple[str, str], tuple[Any, Any]]:
 
 @pytest.mark.slow
 @needs_next
+@pytest.mark.parametrize("reference", REFERENCES)
 @pytest.mark.parametrize("case", ["colocated", "bridge", "experts"])
-def test_multi_module_process_groups_equal_create_topology_field_by_field(
-    records: dict[str, list[dict[str, Any]]], case: str
+def test_multi_module_process_groups_equal_megatrons_field_by_field(
+    records: dict[str, list[dict[str, Any]]], topology: Path | str, case: str, reference: str
 ) -> None:
+    _reference(topology, reference)
     for rec in records[case]:
-        assert _differences(rec) == {}, (case, rec["rank"])
+        assert _differences(rec, reference) == {}, (case, rec["rank"])
+        theirs = rec["references"][reference]["collection"]["modules"]
         for module, facts in rec["ours"]["modules"].items():
-            assert facts["set"] == rec["theirs"]["modules"][module]["set"]  # the same attributes set
+            assert facts["set"] == theirs[module]["set"]  # the same attributes set
+            assert (
+                sum(m is not None for m in theirs[module]["fields"].values()) >= len(bridge.MIMO_FIELDS) + 1
+            )
         assert rec["same_object"] and rec["shares_process_groups"]
         assert rec["bridge_state_after_destroy"] == 0
-    # the language module's embedding groups, where create_topology puts them
+    # the language module's embedding groups, where Megatron puts them
     language = [r for r in records[case] if "language" in r["modules"]]
     assert all(r["ours"]["language"] == "language" for r in language)
     assert any(r["ours"]["modules"]["language"]["fields"]["pos_embd"] for r in language)
@@ -212,14 +255,17 @@ def test_multi_module_process_groups_equal_create_topology_field_by_field(
 
 @pytest.mark.slow
 @needs_next
+@pytest.mark.parametrize("reference", REFERENCES)
 @pytest.mark.parametrize("case", ["colocated", "bridge", "experts"])
-def test_hyper_comm_grids_and_rank_roles_equal_create_topologys(
-    records: dict[str, list[dict[str, Any]]], case: str
+def test_hyper_comm_grids_and_rank_roles_equal_megatrons(
+    records: dict[str, list[dict[str, Any]]], topology: Path | str, case: str, reference: str
 ) -> None:
+    _reference(topology, reference)
     for rec in records[case]:
+        theirs = rec["references"][reference]
         assert rec["grid_error"] is None
-        assert rec["our_grids"] == rec["their_grids"], (case, rec["rank"])
-        assert rec["our_role"] == rec["their_role"]
+        assert rec["our_grids"] == theirs["grids"], (case, rec["rank"])
+        assert rec["our_role"] == theirs["role"]
         for name, grid in rec["our_grids"].items():  # groups on member ranks, None elsewhere
             assert grid["in_grid"] == (name in rec["modules"])
             assert all((members is None) != grid["in_grid"] for members in grid["pgs"].values())
@@ -227,25 +273,29 @@ def test_hyper_comm_grids_and_rank_roles_equal_create_topologys(
 
 @pytest.mark.slow
 @needs_next
+@pytest.mark.parametrize("reference", REFERENCES)
 @pytest.mark.parametrize("case", ["colocated", "bridge", "experts", "gtp"])
 def test_manual_seed_ranks_are_the_ranks_megatrons_collection_gives(
-    records: dict[str, list[dict[str, Any]]], case: str
+    records: dict[str, list[dict[str, Any]]], topology: Path | str, case: str, reference: str
 ) -> None:
+    _reference(topology, reference)
     for rec in records[case]:
-        assert rec["seed_ranks"] == rec["their_seed_ranks"], (case, rec["rank"])
+        assert rec["seed_ranks"] == rec["references"][reference]["seed_ranks"], (case, rec["rank"])
     # not all zero: the tensor and expert ranks vary across the ranks
     assert {tuple(s.values()) for rec in records[case] for s in rec["seed_ranks"].values()} != {(0, 0, 0)}
 
 
 @pytest.mark.slow
 @needs_next
+@pytest.mark.parametrize("reference", REFERENCES)
 def test_a_gtp_module_equals_megatrons_sub_world_groups_and_the_grid_refuses_it(
-    records: dict[str, list[dict[str, Any]]],
+    records: dict[str, list[dict[str, Any]]], topology: Path | str, reference: str
 ) -> None:
-    """create_topology has no gtp dimension: on the gtp_remat=2 module its ``dp`` spans gtp x
-    data (our ``dp_cp_gtp_remat``) and its ``mp`` tensor x pipeline only; every other field
+    """Megatron's MIMO grid has no gtp dimension: on the gtp_remat=2 module its ``dp`` spans gtp
+    x data (our ``dp_cp_gtp_remat``) and its ``mp`` tensor x pipeline only; every other field
     agrees, and every field agrees with Megatron 0.19's RankGenerator on the module's sub-world
     (what its ``initialize_model_parallel(gtp_remat_size=, rank_offset=)`` builds)."""
+    _reference(topology, reference)
     gtp_fields = {
         "tp_ep_pp_with_egtp_remat",
         "dp_cp_gtp_remat",
@@ -254,7 +304,7 @@ def test_a_gtp_module_equals_megatrons_sub_world_groups_and_the_grid_refuses_it(
         "expt_dp_gtp_remat",
     }
     for rec in records["gtp"]:
-        found = _differences(rec)
+        found = _differences(rec, reference)
         if "language" not in rec["modules"]:
             assert found == {}
             assert "module 'language' has gtp_remat=2" in rec["grid_error"]
@@ -262,11 +312,51 @@ def test_a_gtp_module_equals_megatrons_sub_world_groups_and_the_grid_refuses_it(
         assert {f for _, f in found} == {"dp", "dp_cp", "intra_dp_cp", "mp"} | gtp_fields
         assert all(theirs is None for (_, f), (_, theirs) in found.items() if f in gtp_fields)
         fields = rec["ours"]["modules"]["language"]["fields"]
-        theirs = rec["theirs"]["modules"]["language"]["fields"]
+        theirs = rec["references"][reference]["collection"]["modules"]["language"]["fields"]
         assert theirs["dp"] == fields["dp_cp_gtp_remat"] and len(fields["gtp_remat"]) == 2
         assert all(fields[f] == members for f, members in rec["rank_generator"].items()), rec["rank"]
         assert "gpc.module('language') has gtp_remat=2" in rec["grid_error"]
         assert "process_groups(gpc.module('language'))" in rec["grid_error"]
+
+
+@pytest.mark.slow
+@needs_next
+@pytest.mark.parametrize("case", MIMO_CASES)
+def test_the_wheel_reference_is_create_topology(
+    records: dict[str, list[dict[str, Any]]], topology: Path | str, case: str
+) -> None:
+    """Where the example file is at hand, the wheel-based reference (the example's facts restated
+    in tests/megatron_modules_worker.py) gives, on every rank, exactly create_topology's fields,
+    attributes set, grids, rank role, seed ranks and number of new_group calls."""
+    _reference(topology, "create_topology")
+    for rec in records[case]:
+        wheel, theirs = (
+            {k: v for k, v in rec["references"][r].items() if k != "s"} for r in ("wheel", "create_topology")
+        )
+        assert wheel == theirs, (case, rec["rank"])
+
+
+@pytest.mark.slow
+@needs_next
+@pytest.mark.parametrize("reference", REFERENCES)
+def test_the_field_comparison_fails_on_a_swapped_field_or_another_modules_group(
+    records: dict[str, list[dict[str, Any]]], topology: Path | str, reference: str
+) -> None:
+    """The comparison is not vacuous: our record with two fields swapped, or with a field holding
+    the other module's group, differs from Megatron's in exactly those fields."""
+    _reference(topology, reference)
+    for rec in records["colocated"]:  # both modules on every rank
+        fields = rec["ours"]["modules"]["language"]["fields"]
+        vision = rec["ours"]["modules"]["vision"]["fields"]
+        for mutate, expected in (
+            ({"tp": fields["dp"], "dp": fields["tp"]}, {"tp", "dp"}),
+            ({"pp": vision["pp"]}, {"pp"}),
+            ({"dp": vision["dp"]}, {"dp"}),
+        ):
+            bad = copy.deepcopy(rec)
+            bad["ours"]["modules"]["language"]["fields"].update(mutate)
+            bad["ours"]["modules"]["language"]["onehot"].update(mutate)
+            assert {f for _, f in _differences(bad, reference)} == expected, (rec["rank"], mutate)
 
 
 @pytest.mark.slow
@@ -298,10 +388,13 @@ def test_gpc_makes_a_fraction_of_the_groups_create_topology_makes(
     records: dict[str, list[dict[str, Any]]], case: str
 ) -> None:
     """Every rank takes part in every group creation of create_topology (new_group without local
-    synchronization, members or not); gpc makes only the rank's own groups (docs/modules.md)."""
+    synchronization, members or not): the wheel-based reference makes the same calls (equal where
+    the example file is at hand, test_the_wheel_reference_is_create_topology), docs/modules.md's
+    count; gpc makes only the rank's own groups."""
     for rec in records[case]:
         ours = rec["gpc_new_group_calls"] + rec["bridge_new_group_calls"]
-        assert ours <= 8 and rec["their_new_group_calls"] >= 80, rec
+        theirs = rec["references"]["wheel"]["new_group_calls"]
+        assert ours <= 8 and theirs == {"colocated": 122, "bridge": 81, "experts": 86}[case], rec
 
 
 # ------------------------------------------------------------------ in-process
