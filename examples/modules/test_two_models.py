@@ -65,6 +65,7 @@ def _check_against_serial(name: str, seed: int) -> None:
                 assert torch.equal(keep_y, keep_y2), (name, r, r2)
 
 
+@pytest.mark.slow  # the local-world test below runs the same in make test
 @pytest.mark.parallel(world_size=8, modules=COLOCATED)
 def test_two_colocated_models_train_like_the_serial_ones() -> None:
     _check_against_serial("language", 1)
@@ -78,6 +79,7 @@ def test_two_colocated_models_train_like_the_serial_ones() -> None:
     assert not torch.equal(a, b)
 
 
+@pytest.mark.slow
 @pytest.mark.parallel(world_size=8, modules=DISJOINT)
 def test_two_disjoint_models_train_like_the_serial_ones() -> None:
     (name,) = gpc.modules
@@ -88,3 +90,9 @@ def test_two_disjoint_models_train_like_the_serial_ones() -> None:
 def test_two_colocated_models_train_like_the_serial_ones_in_one_process() -> None:
     _check_against_serial("language", 1)
     _check_against_serial("vision", 2)
+
+
+@pytest.mark.parallel(world_size=8, modules=DISJOINT, local=True)
+def test_two_disjoint_models_train_like_the_serial_ones_in_one_process() -> None:
+    (name,) = gpc.modules
+    _check_against_serial(name, 3 if name == "vision" else 4)
