@@ -68,6 +68,9 @@ def _plan(modules: dict[str, Any], world: int = WORLD) -> ModulePlan:
         (dict(a=dict(ranks=4, data=3)), ["parallel.modules.a.data=3", "a.ranks=4"]),
         ({f"m{i}": dict(ranks=1) for i in range(MAX_MODULES + 1)}, [f"at most {MAX_MODULES}"]),
         ({}, ["parallel.modules is empty"]),
+        ({"": dict(ranks=2)}, ["module name ''"]),
+        ({"a:b": dict(ranks=2)}, ["module name 'a:b'", "without ':'"]),
+        (dict(a=dict(ranks=1, offset=1), b=dict(ranks=2)), ["'b' ranks 0-1", "defaulted", "b=0"]),
     ],
 )
 def test_a_bad_modules_section_is_refused_naming_the_module_and_the_fix(
@@ -371,3 +374,58 @@ def test_activation_checkpointing_replays_a_modules_streams() -> None:
     gpc.set_rng_state(after)
     with vision.seed("tensor"):
         assert torch.equal(a, torch.rand(3))
+
+
+# ----------------------------------------------------------------------------- what a skeptic found
+PIPES = dict(language=dict(ranks=8, pipeline=8), vision=dict(colocated_with="language", pipeline=4))
+
+
+@pytest.mark.parallel(world_size=WORLD, modules=PIPES, local=True)
+def test_colocated_pipelines_of_different_lengths_make_embedding_groups_that_meet() -> None:
+    # language's embedding group [0, 7] is made on its ends only; vision's [0, 6] then met under
+    # two names (rank 6, a middle stage of language, held one group fewer): a hang
+    for name in gpc.modules:
+        ctx = gpc.module(name)
+        if ctx.is_initialized("embedding"):
+            assert _membership(ctx.get_group("embedding")) == ctx.get_ranks_in_group("embedding")
+    # every rank holds as many groups as the others: a later group across stages meets too
+    counts: list[Any] = [None] * WORLD
+    dist.all_gather_object(counts, len(dist.distributed_c10d._world.pg_names))
+    assert len(set(counts)) == 1, counts
+    across = (
+        dist.new_group([0, 1, 2, 3], use_local_synchronization=True) if gpc.get_global_rank() < 4 else None
+    )
+    if across is not None:
+        assert _membership(across) == [0, 1, 2, 3]
+
+
+@pytest.mark.parallel(world_size=WORLD, modules=DISJOINT, local=True)
+def test_the_step_methods_count_every_rank_of_the_job_on_the_node() -> None:
+    # run_local launches by the InternLM steps, whose host names come from an all-gather: it
+    # went over the primary module's ranks, and ranks 6, 7 took node 1, local ranks 0, 1
+    assert list(gpc.hostnames) == [gpc.hostnames[0]] * WORLD
+    assert gpc.num_processes_on_current_node == WORLD and gpc.num_nodes == 1 and gpc.node_rank == 0
+    assert gpc.local_rank == gpc.get_global_rank()
+
+
+@pytest.mark.parallel(world_size=WORLD, modules=COLOCATED, local=True)
+def test_a_non_primary_modules_stream_nests_in_itself() -> None:
+    vision = gpc.module("vision")
+    state = gpc.get_rng_state()
+    with vision.seed("tensor"):
+        flat = [torch.rand(2).tolist() for _ in range(3)]
+    gpc.set_rng_state(state)
+    with vision.seed("tensor"):
+        a = torch.rand(2).tolist()
+        with vision.seed("tensor"):  # the same stream: it goes on, never repeats
+            b = torch.rand(2).tolist()
+        c = torch.rand(2).tolist()
+    assert [a, b, c] == flat
+
+
+@pytest.mark.parallel(world_size=4, modules=dict(vision=dict(ranks=2), language=dict(ranks=2)), local=True)
+def test_engine_checkpoints_refuse_a_job_with_modules(tmp_path: Path) -> None:
+    from parallelctx.engines import save
+
+    with pytest.raises((RuntimeError, ValueError), match="parallel.modules"):
+        save(tmp_path / "ckpt", torch.nn.Linear(2, 2))

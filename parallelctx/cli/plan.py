@@ -247,7 +247,8 @@ def module_heading(plan: ModulePlan, name: str) -> str:
         LayoutError: no module ``name``.
     """
     lay = plan.layouts[plan._known(name)]
-    text = f"module {name}: ranks {lay.offset}-{lay.offset + lay.world_size - 1} ({lay.world_size} ranks)"
+    count = f"{lay.world_size} rank{'s' if lay.world_size != 1 else ''}"
+    text = f"module {name}: ranks {lay.offset}-{lay.offset + lay.world_size - 1} ({count})"
     if name == plan.language:
         text += ", the language module"
     together = _colocated(plan, name)

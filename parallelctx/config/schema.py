@@ -356,6 +356,13 @@ class ParallelConfig(_Sizes):
         if not self.modules:
             raise LayoutError("parallel.modules is empty: name at least one module, or drop the key")
         spans: dict[str, tuple[int, int]] = {}
+        for name in self.modules:
+            if not name or ":" in name or name != name.strip():
+                raise LayoutError(
+                    f"parallel.modules: module name {name!r} must be a non-empty name without ':' or "
+                    "surrounding spaces (e.g. 'vision', 'language')"
+                )
+        defaulted: list[str] = []
         for name, mod in self.modules.items():
             where = f"parallel.modules.{name}"
             if mod.colocated_with is not None:
@@ -373,6 +380,7 @@ class ParallelConfig(_Sizes):
                 )
             offset = mod.offset
             if offset is None:  # the first rank no module before it holds
+                defaulted.append(name)
                 taken = sorted(spans.values())
                 offset = 0
                 for start, count in taken:
@@ -399,7 +407,16 @@ class ParallelConfig(_Sizes):
                     )
             spans[name] = span
         spans = {name: spans[name] for name in self.modules}
-        check_spans(spans, world_size)
+        try:
+            check_spans(spans, world_size)
+        except LayoutError as exc:
+            if not defaulted:
+                raise
+            given = ", ".join(f"{n}={spans[n][0]}" for n in defaulted)
+            raise LayoutError(
+                f"{exc} (offsets not given were defaulted to the first rank no module before them holds: "
+                f"{given}; give offset= to place a module elsewhere)"
+            ) from None
         layouts = {}
         for name, mod in self.modules.items():
             sizes = mod.model_copy(update={"order": mod.order or self.order})

@@ -103,7 +103,16 @@ def model_parallel(ctx: Any) -> str:
 def not_data_alone(ctx: Any) -> str:
     """The sizes that make gpc's data group smaller than the world (tensor, pipeline, context,
     expert is within data), as text; '' when the data group is the world."""
-    if not ctx.is_initialized(M.GLOBAL) or ctx.get_world_size(M.DATA) == ctx.get_world_size(M.GLOBAL):
+    if not ctx.is_initialized(M.GLOBAL):
+        return ""
+    if ctx.launched.plan is not None:  # parallel.modules: the engine's world is the job's
+        if ctx.get_world_size(M.DATA) == ctx.launched.world_size:
+            return ""
+        return (
+            _sizes(ctx, (M.TENSOR, M.PIPELINE, M.CONTEXT))
+            or f"module {ctx.launched.module} (not the whole job)"
+        )
+    if ctx.get_world_size(M.DATA) == ctx.get_world_size(M.GLOBAL):
         return ""
     return _sizes(ctx, (M.TENSOR, M.PIPELINE, M.CONTEXT))
 

@@ -61,6 +61,12 @@ def _layout() -> Layout:
     layout = gpc.launched.layout
     if layout is None:
         raise RuntimeError("gpc is launched without a layout; parallelctx.engines.save/load need one")
+    if gpc.launched.plan is not None:
+        raise RuntimeError(
+            "parallelctx.engines.save/load do not take a job with parallel.modules yet: the modules' "
+            "shards would share keys and one module's weights would load into another's model; save "
+            "each module's model with torch.distributed.checkpoint under a path of its own"
+        )
     return layout
 
 

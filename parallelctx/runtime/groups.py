@@ -49,6 +49,7 @@ from ..planning.layout import Layout, ParallelMode
 
 __all__ = [
     "GroupMaker",
+    "MadeGroups",
     "ModeGroup",
     "compact",
     "connects_at_creation",
@@ -338,23 +339,37 @@ def create_groups(
         RuntimeError: from torch, when a peer does not arrive within the timeout; or a group
             would reuse the name of one destroyed earlier (:meth:`GroupMaker.claim`).
     """
-    return create_module_groups([layout], rank, maker, cpu_backend, layout.world_size)[0]
+    return create_module_groups([layout], rank, maker, cpu_backend, layout.world_size).modules[0]
+
+
+@dataclass(frozen=True)
+class MadeGroups:
+    """What :func:`create_module_groups` made: each layout's ``{mode: ModeGroup}``, the job's
+    world (the default group and its CPU twin), and the groups no mode answers with (the
+    stand-ins that keep group counts equal), which the launch's teardown destroys too."""
+
+    modules: list[dict[ParallelMode, ModeGroup]]
+    world: ModeGroup
+    extra: tuple[Any, ...] = ()
 
 
 def create_module_groups(
     layouts: Sequence[Layout], rank: int, maker: GroupMaker, cpu_backend: str | None, world_size: int
-) -> list[dict[ParallelMode, ModeGroup]]:
+) -> MadeGroups:
     """Create this rank's groups of every mode of each of ``layouts`` (the modules ``rank``
     belongs to, in the config's order; one layout for a job without modules), with ``maker``.
 
     A module's GLOBAL group holds the module's ranks (the default group when it spans the
     job's ``world_size``). A group whose members equal one made for an earlier module is that
-    group. The EMBEDDING groups of every module come last: middle pipeline stages join none, and
-    torch names a locally synchronized group by its members and how many groups the process
-    holds, so every member must hold the same number of groups when a group is made.
+    group. torch names a locally synchronized group by its members and how many groups the
+    process holds, so every member must hold the same number of groups when a group is made: the
+    EMBEDDING groups of every module come last (middle pipeline stages join none), and with
+    modules a middle stage makes a one-rank stand-in for each group the ends make there, so
+    every rank of a module holds as many groups as the others after the launch (a later group
+    across stages, such as the Megatron bridge's, then meets under one name).
 
     Returns:
-        One ``{mode: ModeGroup}`` per layout, as :func:`create_groups`.
+        A :class:`MadeGroups`: one ``{mode: ModeGroup}`` per layout, as :func:`create_groups`.
 
     Raises:
         RuntimeError: as :func:`create_groups`; or several layouts where local synchronization
@@ -385,12 +400,16 @@ def create_module_groups(
     later: list[tuple[Layout, dict[tuple, ModeGroup], dict[ParallelMode, ModeGroup], tuple]] = []
 
     def one(
-        layout: Layout, mode: ParallelMode, members: Sequence[int], made: dict[tuple, ModeGroup]
+        layout: Layout,
+        mode: ParallelMode,
+        members: Sequence[int],
+        made: dict[tuple, ModeGroup],
+        reuse: bool = True,
     ) -> ModeGroup:
         sig = layout.signature(mode)
         if sig not in made:
             key = tuple(members)
-            if key not in by_members:
+            if key not in by_members or not reuse:
 
                 def every(mode: ParallelMode = mode) -> Any:
                     return layout.group_array(mode).tolist()
@@ -429,6 +448,8 @@ def create_module_groups(
             out[mode] = one(layout, mode, members, made)
         outs.append(out)
         later.append((layout, made, out, world_sig))
+    several = len(layouts) > 1 or layouts[0].world_size != world_size  # parallel.modules
+    extra: list[Any] = []
     for layout, made, out, world_sig in later:
         mode = ParallelMode.EMBEDDING
         sig = layout.signature(mode)
@@ -443,7 +464,13 @@ def create_module_groups(
             if members:
                 out[mode] = made[sig]
         elif members or maker.blocker is not None:  # middle stages make none (unless blocked)
-            group = one(layout, mode, members, made)
+            # never another module's group: the middle stages' stand-ins count one group (and
+            # its CPU twin) here
+            group = one(layout, mode, members, made, reuse=not several)
             if members:
                 out[mode] = group
-    return outs
+        elif several:  # a middle stage: as many groups as the ends make, so counts stay equal
+            extra.append(maker.new_group([rank], "parallelctx_embedding_standin"))
+            if cpu_backend is not None:
+                extra.append(maker.new_group([rank], "parallelctx_embedding_standin_cpu", cpu_backend))
+    return MadeGroups(outs, ModeGroup(range(world_size), default_group, cpu_world), tuple(extra))

@@ -347,9 +347,9 @@ class RNGStreams:
             LayoutError: ``mode`` names no stream.
             KeyError: ``mode`` has no stream here.
         """
-        mode = parse_stream(mode)  # a plain name must find the active stream by identity below
+        mode = parse_stream(mode)  # a plain name finds the active stream below
         outer = self._active
-        if mode is outer:
+        if mode == outer:  # (module, key) pairs are made anew on every call: equal, not identical
             yield
             return
         inner = self._states[mode]

@@ -118,6 +118,8 @@ class Launched:
     plan: ModulePlan | None = None
     module: str | None = None
     module_groups: Mapping[str, Mapping[ParallelMode, ModeGroup]] = field(default_factory=dict)
+    world_group: ModeGroup | None = None  # the job's world and its CPU twin (with modules)
+    kept: tuple[Any, ...] = ()  # groups no mode answers with, destroyed with the launch
     meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def replace(self, **changes: Any) -> Launched:
@@ -237,10 +239,10 @@ class Launched:
         maker.settle("launch")
         notes = (*self.notes, *maker.made)
         primary = plan.primary(self.rank)
-        groups = dict(zip(mine, made))
+        groups = dict(zip(mine, made.modules))
         return self.replace(
             layout=plan.layouts[primary], groups=groups[primary], group_calls=maker.calls, notes=notes,
-            eager=False, plan=plan, module=primary, module_groups=groups,
+            eager=False, plan=plan, module=primary, module_groups=groups, world_group=made.world, kept=made.extra,
         )  # fmt: skip
 
     @property
@@ -289,7 +291,8 @@ class Launched:
         Raises:
             RuntimeError: a peer did not answer within the timeout.
         """
-        hostnames = host_names(self.hostnames, self.world_size, self.groups[ParallelMode.GLOBAL].cpu_group)
+        world = self.world_group or self.groups[ParallelMode.GLOBAL]  # the job's, with modules
+        hostnames = host_names(self.hostnames, self.world_size, world.cpu_group)
         local = local_rank_of(hostnames, self.rank)[0] if self.local_rank is None else self.local_rank
         return self.replace(hostnames=hostnames, local_rank=local)
 
@@ -633,8 +636,11 @@ def end(launched: Launched, guard: Guard) -> None:
     for the whole script) and tear down its groups (:func:`tear_down`); returns None."""
     if launched.dry_run is not None and not launched.dry_run.armed:
         launched.dry_run.stop_recording()
-    every = launched.module_groups.values() if launched.module_groups else [launched.groups]
+    every = [*launched.module_groups.values()] if launched.module_groups else [launched.groups]
+    if launched.world_group is not None:
+        every.append({ParallelMode.GLOBAL: launched.world_group})
     mine = [g for groups in every for mg in groups.values() for g in (mg.group, mg.cpu_group)]
+    mine += launched.kept
     tear_down(launched.owns_default_group, mine, guard)
 
 
