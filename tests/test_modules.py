@@ -167,23 +167,17 @@ def test_a_job_without_modules_makes_what_it_made_before_simulated() -> None:
         assert record_simulated(world, rank) == before, key
 
 
+def _torchrun(script: str, out: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc-per-node 8 tests/<script> <out>``, finished."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(WORLD), str(HERE / script), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
 @pytest.mark.slow
 def test_a_job_without_modules_makes_what_it_made_before_under_torchrun(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "8",
-            str(HERE / "modules_golden.py"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-    )
+    done = _torchrun("modules_golden.py", tmp_path, 300)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in range(WORLD):
         now = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -315,21 +309,7 @@ def test_a_modules_device_meshes_lie_on_its_own_ranks() -> None:
 @pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_a_hang_on_another_modules_group_is_reported(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    done = subprocess.run(
-        [
-            str(torchrun),
-            "--standalone",
-            "--nproc-per-node",
-            "8",
-            str(HERE / "torchrun_modules_hang.py"),
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-    )
+    done = _torchrun("torchrun_modules_hang.py", tmp_path, 240)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(WORLD)]
     for row in rows:

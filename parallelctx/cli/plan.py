@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import IO, Any
 
 from pydantic import ValidationError
@@ -161,32 +162,13 @@ def run(args: argparse.Namespace) -> int:
             "modes": {span.mode: span.as_dict() for span in spans},
         }
         extra["warnings"] = [w.as_dict() for w in warnings]
-    for path, fmt in ((args.png, "png"), (args.svg, "svg")):
-        if path is None:
-            continue
-        from .picture import PictureError, draw
+    from .picture import draw
 
-        try:
-            draw(layout, args.nproc_per_node, path, fmt=fmt)
-        except PictureError as exc:
-            print(f"parallelctx plan: {exc}", file=sys.stderr)
-            return 2
-        print(f"parallelctx plan: wrote {path}", file=sys.stderr)
-    if args.output is not None:
-        with open(args.output, "w", encoding="utf-8") as out:
-            _json_full(layout, extra, out)
-        print(f"parallelctx plan: wrote {args.output}", file=sys.stderr)
-    elif args.json:
-        if world > JSON_FULL_LIMIT:
-            json.dump(_json_summary(layout, extra), sys.stdout)
-            sys.stdout.write("\n")
-            print(
-                f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group",
-                file=sys.stderr,
-            )
-        else:
-            _json_full(layout, extra, sys.stdout)
-    elif not (args.png or args.svg) or args.text:
+    done = _write_files(args, world, lambda path, fmt: draw(layout, args.nproc_per_node, path, fmt=fmt),
+                        lambda out: _json_full(layout, extra, out), lambda: _json_summary(layout, extra))  # fmt: skip
+    if done is not None:
+        return done
+    if args.output is None and not args.json and (not (args.png or args.svg) or args.text):
         from .tables import render
 
         sys.stdout.write(render(layout, spans=spans, nproc_per_node=args.nproc_per_node))
@@ -333,32 +315,13 @@ def run_modules(args: argparse.Namespace, par: ParallelConfig) -> int:
             "modules": {name: {s.mode: s.as_dict() for s in got} for name, got in spans.items()},
         }
         extra["warnings"] = [{**w.as_dict(), "module": module} for module, w in warnings]
-    for path, fmt in ((args.png, "png"), (args.svg, "svg")):
-        if path is None:
-            continue
-        from .picture import PictureError, draw_modules
+    from .picture import draw_modules
 
-        try:
-            draw_modules(plan, args.nproc_per_node, path, fmt=fmt)
-        except PictureError as exc:
-            print(f"parallelctx plan: {exc}", file=sys.stderr)
-            return 2
-        print(f"parallelctx plan: wrote {path}", file=sys.stderr)
-    if args.output is not None:
-        with open(args.output, "w", encoding="utf-8") as out:
-            _module_json(plan, extra, out)
-        print(f"parallelctx plan: wrote {args.output}", file=sys.stderr)
-    elif args.json:
-        if world > JSON_FULL_LIMIT:
-            json.dump(_module_summary(plan, extra), sys.stdout)
-            sys.stdout.write("\n")
-            print(
-                f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group",
-                file=sys.stderr,
-            )
-        else:
-            _module_json(plan, extra, sys.stdout)
-    elif not (args.png or args.svg) or args.text:
+    done = _write_files(args, world, lambda path, fmt: draw_modules(plan, args.nproc_per_node, path, fmt=fmt),
+                        lambda out: _module_json(plan, extra, out), lambda: _module_summary(plan, extra))  # fmt: skip
+    if done is not None:
+        return done
+    if args.output is None and not args.json and (not (args.png or args.svg) or args.text):
         from .tables import render
 
         lines = [f"parallelctx plan: {len(plan.names)} modules on {world} ranks (parallel.modules)"]
@@ -370,3 +333,42 @@ def run_modules(args: argparse.Namespace, par: ParallelConfig) -> int:
                 render(lay, spans=spans.get(name), nproc_per_node=args.nproc_per_node, world_size=world)
             )
     return 0
+
+
+def _write_files(
+    args: argparse.Namespace,
+    world: int,
+    draw: Callable[[str, str], object],
+    full: Callable[[IO[str]], None],
+    summary: Callable[[], dict[str, Any]],
+) -> int | None:
+    """The picture files (``--png``/``--svg``, with ``draw(path, fmt)``), then ``--output FILE``
+    (``full(file)``) or ``--json`` (``full(stdout)``; ``summary()`` above
+    :data:`JSON_FULL_LIMIT` ranks). Returns 2 when a picture cannot be drawn (said on stderr),
+    else None."""
+    from .picture import PictureError
+
+    for path, fmt in ((args.png, "png"), (args.svg, "svg")):
+        if path is None:
+            continue
+        try:
+            draw(path, fmt)
+        except PictureError as exc:
+            print(f"parallelctx plan: {exc}", file=sys.stderr)
+            return 2
+        print(f"parallelctx plan: wrote {path}", file=sys.stderr)
+    if args.output is not None:
+        with open(args.output, "w", encoding="utf-8") as out:
+            full(out)
+        print(f"parallelctx plan: wrote {args.output}", file=sys.stderr)
+    elif args.json:
+        if world > JSON_FULL_LIMIT:
+            json.dump(summary(), sys.stdout)
+            sys.stdout.write("\n")
+            print(
+                f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group",
+                file=sys.stderr,
+            )
+        else:
+            full(sys.stdout)
+    return None
