@@ -303,8 +303,12 @@ def test_two_ranks_that_call_different_collectives_are_named_as_a_mismatch(tmp_p
         "all_reduce",
         [],
         {"1": "broadcast(float32[3], src=1)"},
-    )
-    assert (r1["op"], r1["missing"], r1["mismatched"]) == ("broadcast", [], {"0": "all_reduce(float32[4])"})
+    ), r0["text"]
+    assert (r1["op"], r1["missing"], r1["mismatched"]) == (
+        "broadcast",
+        [],
+        {"0": "all_reduce(float32[4])"},
+    ), r1["text"]
     assert all(row["reports"] == [] for row in rows[2:])
     assert all(row["relaunch_sum"] == row["relaunch_expected"] for row in rows)
 
@@ -562,6 +566,55 @@ def test_a_stalled_store_does_not_silence_the_report_and_is_named(tmp_path: Path
         assert not report.progress_known and report.store_stalled and report.missing == ()
         assert "could not be read from the launch's store (it did not answer in time" in str(report)
         assert "the launch's store did not answer within 1 s" in caplog.text
+    finally:
+        dist.destroy_process_group()
+
+
+class _SlowOnceStore:
+    """A launch store on a loaded host: the first read of another rank's progress (a report's)
+    takes 1.5 s, every other request answers at once; rank 1 has posted no progress (it never
+    entered a call)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def set(self, key: str, value: Any) -> None:
+        pass
+
+    def get(self, key: str) -> bytes:
+        return b"{}"
+
+    def check(self, keys: list[str]) -> bool:
+        self.reads += 1
+        if self.reads == 1:
+            time.sleep(1.5)
+        return True
+
+
+def test_a_store_slow_to_answer_once_still_gives_a_report_that_names_the_missing_rank(tmp_path: Path) -> None:
+    # The watch awaits a store request 1 s (after = 2 s): the first request stalls past that, then
+    # the store answers. A report must read again rather than say "progress unknown".
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "s"), 1))
+    try:
+        reports: list[HangReport] = []
+        watch = HangWatch(
+            timedelta(seconds=2), 0, _SlowOnceStore(), [(dist.group.WORLD, (ParallelMode.DATA,), False, (0, 1))],
+            [reports.append], log=False,
+        )  # fmt: skip
+        watch.start()
+        try:
+            slot = watch._slots[dist.group.WORLD]
+            slot.count = 1
+            slot.call = [1, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
+            slot.calls.append(slot.call)
+            begin = time.monotonic()
+            while not reports and time.monotonic() - begin < 15:
+                time.sleep(0.05)
+        finally:
+            watch.stop()
+        (report,) = reports
+        assert report.progress_known and not report.store_stalled, str(report)
+        assert report.missing == (1,), str(report)
     finally:
         dist.destroy_process_group()
 

@@ -52,7 +52,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ from .patch import Patches
 __all__ = ["OPS", "P2P_OPS", "HangReport", "HangWatch", "describe_call"]
 
 logger = logging.getLogger("parallelctx")
+_T = TypeVar("_T")
 
 OPS: dict[str, str] = {
     "allreduce": "all_reduce",
@@ -766,21 +767,35 @@ class HangWatch:
             return {}
         return recorded
 
+    def _patiently(self, read: Callable[[], _T | None], call: list[Any]) -> tuple[_T | None, bool]:
+        """``read()``, and while it gives None (the store did not answer: a loaded host's store
+        is slow, not gone) again each tick for up to ``after`` seconds more; returns (what it
+        read last, whether the watch stopped or ``call`` completed meanwhile: then no report)."""
+        got = read()
+        deadline = time.monotonic() + self.after
+        while got is None and time.monotonic() < deadline:
+            if self._stop.wait(self.tick) or not _pending(call[4]):
+                return None, True
+            got = read()
+        return got, False
+
     def _report(self, slot: _Slot, call: list[Any], waited: float) -> None:
         count, op = call[0], call[1]
         text, agreed = slot.worded(call)
-        peers = self._peers(slot)
+        peers, gone = self._patiently(lambda: self._peers(slot), call)
+        if gone:
+            return
         if peers is not None and any(theirs < count for theirs, _, _ in peers.values()):
             # A member's watch posts its progress once a tick, so one that entered this call
             # less than a tick ago reads as behind. Read again two ticks later: a member that had
             # entered the call before this report is then never named missing. A call that
             # completed meanwhile was slow, not hung: it is not reported.
-            if self._stop.wait(2 * self.tick):
+            if self._stop.wait(2 * self.tick) or not _pending(call[4]):
                 return
-            if not _pending(call[4]):
+            peers, gone = self._patiently(lambda: self._peers(slot), call)
+            if gone:
                 return
-            peers = self._peers(slot)
-            waited = time.monotonic() - call[3]
+        waited = max(waited, time.monotonic() - call[3])
         missing: list[int] = []
         mismatched: dict[int, str] = {}
         for r, (theirs, last, their_agreed) in (peers or {}).items():
@@ -880,13 +895,19 @@ class HangWatch:
     def _report_p2p(self, slot: _Slot, call: list[Any], waited: float) -> None:
         count, direction, peer_local = call[0], call[1], call[5]
         peer = None if peer_local is None else slot.order[peer_local]
-        got = None if peer is None else self._peer_p2p(slot, call)
+        got, gone = (
+            (None, False) if peer is None else self._patiently(lambda: self._peer_p2p(slot, call), call)
+        )
+        if gone:
+            return
         if got is not None and got[0] < count:
             # as for a collective: the peer posts its progress a tick late at most
             if self._stop.wait(2 * self.tick) or not _pending(call[4]):
                 return
-            got = self._peer_p2p(slot, call)
-            waited = time.monotonic() - call[3]
+            got, gone = self._patiently(lambda: self._peer_p2p(slot, call), call)
+            if gone:
+                return
+        waited = max(waited, time.monotonic() - call[3])
         missing = peer is not None and got is not None and got[0] < count
         skipped = (
             self._skipped(slot, peer_local, got[2], direction == "send")
