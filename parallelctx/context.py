@@ -3,14 +3,15 @@
 ``launch()`` checks, runs the start-up (one frozen :class:`~parallelctx.runtime.startup.Launched`),
 adopts it (``_adopt``: the only writer of the launch state) and arms the
 :class:`~parallelctx.guard.core.Guard`; each InternLM step method adopts one step's result. The
-queries answer from tables filled at adoption (:class:`parallelctx.views.Answers`), never from torch.
+per-mode queries answer from tables filled at adoption (:class:`parallelctx.views.Answers`), the
+launch's values, seeds and summary from the adopted value
+(:class:`~parallelctx.runtime.queries.LaunchQueries`); never from torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,6 @@ from .guard.recorder import DryRun
 from .planning.layout import Layout, ParallelMode
 from .planning.views import (
     VIEW_NAMES,
-    Adopted,
     Answers,
     ModeView,
     ModeViews,
@@ -37,10 +37,10 @@ from .planning.views import (
 from .runtime import startup
 from .runtime.groups import GroupMaker
 from .runtime.meetings import Meetings, init_default_group
+from .runtime.queries import LaunchQueries
 from .runtime.reform import Reformed, prepare
 from .runtime.rendezvous import Arrival
 from .runtime.rngstate import RNGState
-from .runtime.seed import RNGStreams, Stream
 from .runtime.startup import Launched, resolve_backend
 
 __all__ = ["ModeView", "NotLaunchedError", "ParallelContext", "RNGState", "gpc", "resolve_backend"]
@@ -49,7 +49,7 @@ logger = logging.getLogger("parallelctx")
 M = ParallelMode
 
 
-class ParallelContext(ModeViews):
+class ParallelContext(ModeViews, LaunchQueries):
     """The parallel context of this process; use the one instance, ``parallelctx.gpc``.
     :meth:`launch` makes this rank's world (the InternLM steps, :meth:`load_config` to
     :meth:`set_seed`, one step at a time); :meth:`destroy` undoes it. A mode may be a
@@ -62,11 +62,6 @@ class ParallelContext(ModeViews):
         self._dry_run: DryRun | None = None
         self._modules: dict[str, ModuleContext] = {}
         self._reset()
-
-    @property
-    def launched(self) -> Launched:
-        """The value this context adopted: everything the launch made (empty before launch)."""
-        return self._launched
 
     # ------------------------------------------------------------------ state
     def _reset(self) -> None:
@@ -419,90 +414,6 @@ class ParallelContext(ModeViews):
         on the last pipeline stage (where the loss is)."""
         first = all(self.is_first_rank(m) for m in (M.TENSOR, M.CONTEXT, M.DATA))
         return first and self.is_pipeline_last_stage()
-
-    # ------------------------------------------------------------------ what the launch made
-    # Each raises NotLaunchedError until the launch made it.
-    config = Adopted("config", "The validated :class:`Config`.")
-    layout = Adopted("layout", "The rank :class:`Layout` of this world.")
-    backend = Adopted("backend", 'The default group\'s backend, e.g. ``"gloo"``.')
-    hostnames = Adopted("hostnames", "The host name of every global rank, in rank order.")
-    local_rank = Adopted(
-        "local_rank", "This process's rank on its node (the launcher's, else from host names)."
-    )
-    rng_streams = Adopted("streams", "The per-mode :class:`~parallelctx.seed.RNGStreams`.")
-    device = Adopted("device", "The device :meth:`set_device` picked (the CPU until then).")
-    group_creations = Adopted("group_calls", "How many ``new_group`` calls this rank made for gpc's groups.")
-    num_processes_on_current_node = Adopted(
-        "hostnames", "Ranks on this rank's host.", lambda names, v: startup.local_rank_of(names, v.rank)[1]
-    )
-    num_nodes = Adopted("hostnames", "Distinct hosts in the job.", lambda names, v: len(set(names)))
-    node_rank = Adopted(
-        "hostnames",
-        "Index of this host among the job's hosts, ordered by their lowest global rank.",
-        lambda names, v: list(dict.fromkeys(names)).index(names[v.rank]),
-    )
-    device_mesh = Adopted(
-        "layout",
-        "A ``DeviceMesh`` over the dense axes (``pp``, ``dp``, ``cp``, ``tp``), built once on gpc's groups.",
-        lambda layout, v: v.device_mesh("dense"),
-    )
-    expert_device_mesh = Adopted(
-        "layout",
-        "The ``DeviceMesh`` of the expert grid (``pp``, ``edp``, ``ep``, ``etp``), built once.",
-        lambda layout, v: v.device_mesh("expert"),
-    )
-
-    @property
-    def dry_run(self) -> DryRun | None:
-        """The :class:`parallelctx.dryrun.DryRun` this process records when it is a dry run,
-        else None; it outlives :meth:`destroy` until the next real launch."""
-        return self._dry_run
-
-    # ------------------------------------------------------------------ seeds
-    def get_seed(self, mode: Stream) -> int:
-        """Return the seed of ``mode``'s RNG stream on this rank (``mode`` may be ``"replica"``).
-        Raises NotLaunchedError before :meth:`set_seed`, LayoutError for a name of no stream."""
-        streams: RNGStreams = self.rng_streams
-        return streams.seeds[self._launched.stream_key(mode)]
-
-    @contextlib.contextmanager
-    def seed(self, mode: Stream) -> Iterator[None]:
-        """``with gpc.seed(mode):`` runs the body on ``mode``'s RNG stream (CPU and CUDA
-        generators; ``"replica"``: the stream that differs across data-parallel replicas) and
-        switches back after; the stream resumes where it stopped. Raises as :meth:`get_seed`."""
-        streams: RNGStreams = self.rng_streams
-        with streams.fork(self._launched.stream_key(mode)):
-            yield
-
-    def get_rng_state(self) -> RNGState:
-        """Return every RNG stream of this rank (Python's, numpy's, torch's default generators,
-        each mode's stream) as a picklable :class:`RNGState` for :meth:`set_rng_state` when
-        resuming. Raises NotLaunchedError before :meth:`set_seed`."""
-        self.rng_streams  # noqa: B018 - NotLaunchedError before set_seed
-        return self._launched.rng_state()
-
-    def set_rng_state(self, state: RNGState) -> None:
-        """Restore every stream from ``state`` (also inside ``with gpc.seed(...)``).
-
-        Raises:
-            NotLaunchedError: before :meth:`set_seed`.
-            TypeError: ``state`` is not an :class:`RNGState`.
-            ValueError: ``state`` was taken on another rank, world size or layout, or with CUDA
-                state where this rank has none (or the reverse); the message says which.
-        """
-        self.rng_streams  # noqa: B018 - NotLaunchedError before set_seed
-        self._launched.restore_rng(state)
-
-    def summary(self) -> str:
-        """Return the one-line launch summary (with modules: which module gpc answers for, and
-        the rank's modules)."""
-        v = self._launched
-        where = f"module {v.module} of {', '.join(v.modules)}: " if v.module is not None else ""
-        return (
-            f"parallelctx: {where}{self.layout.describe()} backend={self.backend} nodes={self.num_nodes} "
-            f"procs/node={self.num_processes_on_current_node} seed={self.config.seed} "
-            f"groups made on this rank={self.group_creations}"
-        )
 
 
 class ModuleContext(ParallelContext):

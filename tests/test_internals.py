@@ -198,10 +198,8 @@ def test_no_module_but_the_facade_touches_a_private_member_of_gpc() -> None:
 
 def test_the_facade_is_small() -> None:
     lines = len((PKG / "context.py").read_text().splitlines())
-    # 450 until gpc.reform() joined launch, destroy and abort (its plan and agreement are in
-    # runtime/reform.py; the facade keeps the 25 lines that tear down and launch again); 540
-    # since issue 37's module contexts (gpc.module(name): 60 lines, the rest in runtime/startup.py)
-    assert lines <= 540, f"context.py has {lines} lines; its state goes in runtime/, its guards in guard/"
+    # the launch's values, seeds and summary are in runtime/queries.py (LaunchQueries, a base class)
+    assert lines <= 450, f"context.py has {lines} lines; its state goes in runtime/, its guards in guard/"
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if m and layer_of(m)[0] in TORCH_FREE_LAYERS])
