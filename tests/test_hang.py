@@ -592,13 +592,13 @@ class _SlowOnceStore:
 
 
 def test_a_store_slow_to_answer_once_still_gives_a_report_that_names_the_missing_rank(tmp_path: Path) -> None:
-    # The watch awaits a store request 1 s (after = 2 s): the first request stalls past that, then
+    # The watch awaits a store request 1 s (after = 1 s): the first read stalls past that, then
     # the store answers. A report must read again rather than say "progress unknown".
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "s"), 1))
     try:
         reports: list[HangReport] = []
         watch = HangWatch(
-            timedelta(seconds=2), 0, _SlowOnceStore(), [(dist.group.WORLD, (ParallelMode.DATA,), False, (0, 1))],
+            timedelta(seconds=1), 0, _SlowOnceStore(), [(dist.group.WORLD, (ParallelMode.DATA,), False, (0, 1))],
             [reports.append], log=False,
         )  # fmt: skip
         watch.start()
