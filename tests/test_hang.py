@@ -515,6 +515,15 @@ def test_a_receive_that_waits_names_the_skipped_receive_one_stage_up() -> None:
     )
 
 
+def _enter_a_pending_all_reduce(watch: HangWatch) -> None:
+    """Make ``watch`` count one all-reduce on the world group that this rank entered and that
+    never completes (as its wrapper would)."""
+    slot = watch._slots[dist.group.WORLD]
+    slot.count = 1
+    slot.call = [1, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
+    slot.calls.append(slot.call)
+
+
 class _StalledStore:
     """A launch store whose server hangs: every request blocks until ``release`` is set."""
 
@@ -550,10 +559,7 @@ def test_a_stalled_store_does_not_silence_the_report_and_is_named(tmp_path: Path
         )
         watch.start()
         try:
-            slot = watch._slots[dist.group.WORLD]
-            slot.count = 1
-            slot.call = [1, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
-            slot.calls.append(slot.call)
+            _enter_a_pending_all_reduce(watch)
             begin = time.monotonic()
             with caplog.at_level("WARNING", logger="parallelctx"):
                 while not reports and time.monotonic() - begin < 10:
@@ -603,10 +609,7 @@ def test_a_store_slow_to_answer_once_still_gives_a_report_that_names_the_missing
         )  # fmt: skip
         watch.start()
         try:
-            slot = watch._slots[dist.group.WORLD]
-            slot.count = 1
-            slot.call = [1, "all_reduce", ([torch.ones(4)],), time.monotonic(), None]  # pending
-            slot.calls.append(slot.call)
+            _enter_a_pending_all_reduce(watch)
             begin = time.monotonic()
             while not reports and time.monotonic() - begin < 15:
                 time.sleep(0.05)
