@@ -597,31 +597,6 @@ class _SlowOnceStore:
         return True
 
 
-def test_a_store_slow_to_answer_once_still_gives_a_report_that_names_the_missing_rank(tmp_path: Path) -> None:
-    # The watch awaits a store request 1 s (after = 1 s): the first read stalls past that, then
-    # the store answers. A report must read again rather than say "progress unknown".
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "s"), 1))
-    try:
-        reports: list[HangReport] = []
-        watch = HangWatch(
-            timedelta(seconds=1), 0, _SlowOnceStore(), [(dist.group.WORLD, (ParallelMode.DATA,), False, (0, 1))],
-            [reports.append], log=False,
-        )  # fmt: skip
-        watch.start()
-        try:
-            _enter_a_pending_all_reduce(watch)
-            begin = time.monotonic()
-            while not reports and time.monotonic() - begin < 15:
-                time.sleep(0.05)
-        finally:
-            watch.stop()
-        (report,) = reports
-        assert report.progress_known and not report.store_stalled, str(report)
-        assert report.missing == (1,), str(report)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.faults
 @pytest.mark.timeout(400)
 def test_with_the_flight_recorder_on_the_report_uses_its_sequence_numbers(tmp_path: Path) -> None:
@@ -636,3 +611,162 @@ def test_with_the_flight_recorder_on_the_report_uses_its_sequence_numbers(tmp_pa
             assert "by torch's flight recorder, TORCH_FR_BUFFER_SIZE" in report["text"], report["text"]
         else:
             assert row["reports"] == [], row
+
+
+# A read of the progress the store does not answer in time, read again (HangWatch._patiently)
+
+
+class _GoneStore:
+    """A launch store whose server is gone: every request fails at once (connection refused or
+    reset), as a TCPStore client does once the process that served it has exited."""
+
+    def set(self, key: str, value: Any) -> None:
+        raise RuntimeError("Connection reset by peer")
+
+    def get(self, key: str) -> bytes:
+        raise RuntimeError("Connection reset by peer")
+
+    def check(self, keys: list[str]) -> bool:
+        raise RuntimeError("Connection reset by peer")
+
+
+class _Work:
+    """A call's ``Work`` that completes at ``done_at`` (never when None)."""
+
+    def __init__(self, done_at: float | None = None) -> None:
+        self.done_at = done_at
+
+    def is_completed(self) -> bool:
+        return self.done_at is not None and time.monotonic() >= self.done_at
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Any:
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(str(tmp_path / "s"), 1))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _watch(
+    after: float, store: Any, groups: list[Any] | None = None
+) -> tuple[HangWatch, list[tuple[HangReport, float]]]:
+    reports: list[tuple[HangReport, float]] = []
+    watch = HangWatch(
+        timedelta(seconds=after), 0, store,
+        [(g, (ParallelMode.DATA,), False, (0, 1)) for g in groups or [dist.group.WORLD]],
+        [lambda r: reports.append((r, time.monotonic()))], log=False,
+    )  # fmt: skip
+    watch.start()
+    return watch, reports
+
+
+def _enter(watch: HangWatch, group: Any = None, work: Any = None) -> list[Any]:
+    """A collective this rank entered on ``group`` that completes when ``work`` says."""
+    slot = watch._slots[group or dist.group.WORLD]
+    slot.count += 1
+    slot.call = [slot.count, "all_reduce", ([torch.ones(4)],), time.monotonic(), work]
+    slot.calls.append(slot.call)
+    return slot.call
+
+
+def _enter_recv(watch: HangWatch) -> list[Any]:
+    """A receive from group rank 1 that this rank entered and that never completes."""
+    slot = watch._slots[dist.group.WORLD]
+    slot.order = (0, 1)
+    slot.p2p["recv 1"] = count = slot.p2p.get("recv 1", 0) + 1
+    slot.p2p_last = call = [count, "recv", ([torch.ones(2)], 1, 0), time.monotonic(), None, 1]
+    slot.p2p_calls.append(call)
+    return call
+
+
+def _wait_for(reports: list[Any], n: int, limit: float) -> None:
+    begin = time.monotonic()
+    while len(reports) < n and time.monotonic() - begin < limit:
+        time.sleep(0.02)
+
+
+def test_a_report_whose_store_is_gone_is_not_held_back(world: None) -> None:
+    # A store that refuses every request is gone, not slow: reading again cannot help, so the
+    # report comes at `after` (+ ticks), as before the re-read; and a second group's report is
+    # not held back behind the first one's reads.
+    g2 = dist.new_group([0])
+    watch, reports = _watch(2.0, _GoneStore(), [dist.group.WORLD, g2])
+    try:
+        entered = _enter(watch)[3]
+        _enter(watch, g2)
+        _wait_for(reports, 2, 12)
+    finally:
+        watch.stop()
+    assert len(reports) == 2, reports
+    late = [round(t - entered, 2) for _, t in reports]
+    assert all(not r.progress_known and not r.store_stalled for r, _ in reports), reports
+    assert max(late) < 2.0 + 1.5, f"reports at {late} s after entry (after = 2 s): held back by re-reads"
+
+
+def test_a_report_after_a_slow_read_comes_once_with_the_time_it_waited(world: None) -> None:
+    watch, reports = _watch(1.0, _SlowOnceStore())
+    try:
+        entered = _enter(watch)[3]
+        _wait_for(reports, 1, 10)
+        time.sleep(3.5)  # several `after`s more: the same call is not reported again
+    finally:
+        watch.stop()
+    assert len(reports) == 1, [str(r) for r, _ in reports]
+    report, at = reports[0]
+    assert report.progress_known and report.missing == (1,), str(report)
+    assert report.waited >= at - entered - 0.3, (report.waited, at - entered)
+
+
+def test_a_receive_after_a_slow_read_names_the_peer_once_with_the_time_it_waited(world: None) -> None:
+    watch, reports = _watch(1.0, _SlowOnceStore())
+    try:
+        entered = _enter_recv(watch)[3]
+        _wait_for(reports, 1, 10)
+        time.sleep(3.5)
+    finally:
+        watch.stop()
+    assert len(reports) == 1, [str(r) for r, _ in reports]
+    report, at = reports[0]
+    assert (report.op, report.peer, report.missing, report.progress_known) == ("recv", 1, (1,), True), str(
+        report
+    )
+    assert report.waited >= at - entered - 0.3, (report.waited, at - entered)
+
+
+def test_stop_ends_a_report_that_waits_for_the_store_at_once_and_makes_none(world: None) -> None:
+    store = _StalledStore()
+    watch, reports = _watch(4.0, store)  # a tick of 1 s, store requests awaited 2 s
+    try:
+        _enter(watch)
+        time.sleep(7.0)  # the report began at 4-5 s and reads again each tick
+        assert reports == [], "the report did not wait for the stalled store"
+        begin = time.monotonic()
+        watch.stop()
+        took = time.monotonic() - begin
+        alive = [t for t in threading.enumerate() if t.name == "parallelctx-hang-report" and t.is_alive()]
+        time.sleep(1.0)
+    finally:
+        store.release.set()
+        watch.stop()
+    assert took < 1.5 and not alive, (took, alive)  # re-reading, it would wait `after`
+    assert reports == [] and not watch._slots, reports
+
+
+def test_a_call_that_completes_while_the_store_stalls_is_not_reported_and_the_next_one_is(
+    world: None,
+) -> None:
+    store = _StalledStore()
+    watch, reports = _watch(1.0, store)
+    try:
+        _enter(watch, work=_Work(time.monotonic() + 1.8))  # slow: it completes during the re-reads
+        time.sleep(3.0)
+        second = _enter(watch)  # the next call hangs; the store answers again
+        store.release.set()
+        _wait_for(reports, 1, 8)
+    finally:
+        store.release.set()
+        watch.stop()
+    assert [r.count for r, _ in reports] == [2], [str(r) for r, _ in reports]
+    assert reports[0][1] - second[3] < 1.0 + 2.0, reports

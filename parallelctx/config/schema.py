@@ -470,7 +470,8 @@ class HangReportConfig(BaseModel):
     """``dist.hang_report``: report a collective that has waited longer than ``after`` seconds.
 
     ``after`` takes seconds (int or float) or a :class:`datetime.timedelta`, in the range of
-    ``dist.timeout``; make it shorter than ``dist.timeout``, or torch raises first. ``log``
+    ``dist.timeout``; make it at most half of ``dist.timeout``, or torch may raise first (a
+    report waits up to ``after`` more for a slow store). ``log``
     (default True) logs each report as a warning on the ``parallelctx`` logger; the handlers of
     ``gpc.on_hang`` are called either way. See ``docs/reliability.md``.
     """

@@ -598,6 +598,7 @@ class HangWatch:
         self.log = log
         self._store = _BoundedStore(store, max(1.0, 2 * self.tick))
         self._stalled = False  # the store did not answer the last post (logged once a stall)
+        self._read_stalled = False  # the last failed read of the progress timed out (not refused)
         self._fr_names: dict[str, str] = {}  # the flight recorder's id of a group -> its name
         self._handlers = handlers
         self._aborter = aborter
@@ -750,9 +751,10 @@ class HangWatch:
                 else:
                     out[r] = (0, "", "")
         except StoreStalled:
-            self._stalled = True
+            self._stalled = self._read_stalled = True
             return None
         except Exception:
+            self._read_stalled = False  # refused, not slow: reading again would not help
             return None
         return out
 
@@ -768,12 +770,13 @@ class HangWatch:
         return recorded
 
     def _patiently(self, read: Callable[[], _T | None], call: list[Any]) -> tuple[_T | None, bool]:
-        """``read()``, and while it gives None (the store did not answer: a loaded host's store
-        is slow, not gone) again each tick for up to ``after`` seconds more; returns (what it
-        read last, whether the watch stopped or ``call`` completed meanwhile: then no report)."""
+        """``read()``, and while it gives None because the store did not answer in time (a
+        loaded host's store is slow, not gone; a store that refuses is not read again) again
+        each tick for up to ``after`` seconds more; returns (what it read last, whether the
+        watch stopped or ``call`` completed meanwhile: then no report)."""
         got = read()
         deadline = time.monotonic() + self.after
-        while got is None and time.monotonic() < deadline:
+        while got is None and self._read_stalled and time.monotonic() < deadline:
             if self._stop.wait(self.tick) or not _pending(call[4]):
                 return None, True
             got = read()
@@ -848,9 +851,10 @@ class HangWatch:
             posted = self._store.read([key])
             return json.loads(posted[key]) if key in posted else {}
         except StoreStalled:
-            self._stalled = True
+            self._stalled = self._read_stalled = True
             return None
         except Exception:
+            self._read_stalled = False
             return None
 
     def _peer_p2p(self, slot: _Slot, call: list[Any]) -> tuple[int, tuple[str, ...], dict[str, int]] | None:
