@@ -20,14 +20,16 @@ Imports nothing from parallelctx.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import socket
 import stat
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-__all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "endpoint_of", "shut_down_fd"]
+__all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "endpoint_of", "shut_down_fd", "socket_at"]
 
 Endpoint = tuple[str, int]
 """A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port)."""
@@ -47,22 +49,53 @@ def _proc_hex(family: int, address: str) -> str:
     return "".join(packed[i : i + 4][::-1].hex() for i in range(0, len(packed), 4)).upper()
 
 
+def _wrap(fd: int, inode: int) -> socket.socket | None:
+    try:
+        copy = os.dup(fd)
+    except OSError:
+        return None  # closed meanwhile
+    try:
+        info = os.fstat(copy)
+        if info.st_ino != inode or not stat.S_ISSOCK(info.st_mode):
+            os.close(copy)  # the number was reused for another file
+            return None
+        flags = fcntl.fcntl(copy, fcntl.F_GETFL)
+        sock = socket.socket(fileno=copy)  # owns (and closes) the duplicate from here
+    except (OSError, ValueError):
+        os.close(copy)
+        return None
+    # The duplicate shares its open file (and O_NONBLOCK) with the owner's descriptor: the
+    # constructor applied socket.setdefaulttimeout's mode to it; a blocking socket object here,
+    # and the owner's flags as they were.
+    with contextlib.suppress(OSError):
+        sock.settimeout(None)
+        fcntl.fcntl(copy, fcntl.F_SETFL, flags)
+    return sock
+
+
+@contextlib.contextmanager
+def socket_at(fd: int, inode: int) -> Iterator[socket.socket | None]:
+    """A socket object over a duplicate of descriptor ``fd`` while it is the socket with inode
+    ``inode`` (a number reused meanwhile for another file is not mistaken), else None; closed
+    on exit, leaving ``fd`` and its blocking mode to their owner (torch, gloo). Raises only what
+    the body raises."""
+    sock = _wrap(fd, inode)
+    try:
+        yield sock
+    finally:
+        if sock is not None:
+            sock.close()
+
+
 def endpoint_of(fd: int, inode: int) -> Endpoint | None:
     """Return the local endpoint of descriptor ``fd`` if it is a listening TCP socket with inode
     ``inode`` (checked on a duplicate, so a number reused meanwhile is not mistaken), else None.
     Never raises."""
     try:
-        copy = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(copy)
-        if info.st_ino != inode or not stat.S_ISSOCK(info.st_mode):
-            return None
-        with socket.socket(fileno=copy) as sock:
-            copy = -1  # the socket object owns (and closes) the duplicate now
+        with socket_at(fd, inode) as sock:
             if (
-                sock.family in (socket.AF_INET, socket.AF_INET6)
+                sock is not None
+                and sock.family in (socket.AF_INET, socket.AF_INET6)
                 and sock.type == socket.SOCK_STREAM
                 and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
             ):
@@ -71,31 +104,19 @@ def endpoint_of(fd: int, inode: int) -> Endpoint | None:
             return None
     except (OSError, ValueError):
         return None
-    finally:
-        if copy >= 0:
-            os.close(copy)
 
 
 def shut_down_fd(fd: int, inode: int) -> bool:
     """Shut down (``SHUT_RDWR``, without closing the descriptor, which stays its owner's) the
     socket at ``fd`` if its inode is still ``inode``; returns whether it was. Never raises."""
     try:
-        copy = os.dup(fd)
-    except OSError:
-        return False  # closed meanwhile
-    try:
-        info = os.fstat(copy)
-        if info.st_ino != inode or not stat.S_ISSOCK(info.st_mode):
-            return False  # the number was reused for another file
-        with socket.socket(fileno=copy) as sock:
-            copy = -1
+        with socket_at(fd, inode) as sock:
+            if sock is None:
+                return False
             sock.shutdown(socket.SHUT_RDWR)
             return True
     except OSError:
         return False
-    finally:
-        if copy >= 0:
-            os.close(copy)
 
 
 def _registered(epoll: int) -> list[tuple[int, int]]:

@@ -19,6 +19,16 @@ address exchange, a group's connection), where no Python check runs, until ``dis
 A normal launch costs two more store connections per rank while it runs, one thread and two store
 requests. Stores without their own connections (``FileStore``, ``HashStore``) get no bell.
 
+Those two connections are made once per process and store, not once per launch: the next attempt
+takes over the last one's line (:class:`Line`'s ``spare``) and its bell's connection
+(:meth:`Bell.spare`) when they are still whole, so relaunches in the same processes (the pytest
+plugin, in-process restarts) make no new store connection. A new one is not free: torch formats
+the other end's address of every new store connection with ``getnameinfo``, a reverse DNS
+lookup, at both ends (the store server in its only thread). For a store on the same host that
+address is ``::ffff:127.0.0.1`` (torch connects over IPv6 first, to a dual-stack listener),
+which no ``/etc/hosts`` names, so each lookup asks the DNS server; one query it drops holds that
+end for the resolver's timeout (glibc: 5 s), and at the server that is every rank's request.
+
 Imports nothing from parallelctx outside ``guard`` and ``runtime.rendezvous``.
 """
 
@@ -35,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..guard.sockets import shut_down_fd
+from ..guard.sockets import shut_down_fd, socket_at
 from .rendezvous import ABANDONED
 
 __all__ = ["Abandoned", "Bell", "Line", "abandon"]
@@ -44,6 +54,9 @@ logger = logging.getLogger("parallelctx")
 
 _DONE = b"done"
 _LOOK = 8  # descriptors looked at from the lowest free one for a new store connection
+# How long an earlier attempt's line gets to answer one request before a new attempt takes it
+# over (a request of torch's still waiting on it would hold it until dist.timeout)
+_PROBE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -78,22 +91,29 @@ def abandon(store: Any, prefix: str, rank: int, world_size: int) -> None:
 def _peer_port(fd: int, inode: int) -> int | None:
     """The remote port of the connected TCP socket at ``fd`` (inode ``inode``), else None."""
     try:
-        copy = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        if os.fstat(copy).st_ino != inode:
-            return None
-        with socket.socket(fileno=copy) as sock:
-            copy = -1
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        with socket_at(fd, inode) as sock:
+            if sock is None or sock.type != socket.SOCK_STREAM:
+                return None
+            if sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
             return int(sock.getpeername()[1])
     except (OSError, ValueError):
         return None
-    finally:
-        if copy >= 0:
-            os.close(copy)
+
+
+def _idle(fd: int, inode: int) -> bool:
+    """Whether the socket at ``fd`` (inode ``inode``) is still connected with nothing unread: a
+    store connection between two requests, fit for another attempt. Never raises."""
+    try:
+        with socket_at(fd, inode) as sock:
+            if sock is None:
+                return False
+            sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            return False  # a byte nobody asked for (the stream is out of step), or the peer closed it
+    except BlockingIOError:
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def _store_sockets(fds: range, port: int) -> dict[int, int]:
@@ -111,16 +131,26 @@ class Line:
     """A connection of this rank's own to a TCP store, for one launch attempt: torch's groups of
     the attempt wait on it, and :meth:`cut` shuts it down from any thread, so that such a wait
     raises within milliseconds. For any other store, the store itself (and :meth:`cut` does
-    nothing)."""
+    nothing).
 
-    def __init__(self, base: Any) -> None:
+    ``spare``, an earlier attempt's line on the same ``base`` whose groups are gone: its
+    connection is taken over when it was never cut and is still whole (:meth:`reusable`), so
+    that a relaunch makes no new store connection (see the module docstring); else a new one is
+    made. ``reused`` says which."""
+
+    def __init__(self, base: Any, spare: Line | None = None) -> None:
         self.store = base
+        self.base = base
+        self.reused = False
         self._lock = threading.Lock()
         self._held = False  # torch connects the default group's pairs: no cut (see :meth:`hold`)
         self._was_cut = False
         self._wanted = False  # a cut came while held: made on release
         self._sockets: dict[int, int] = {}
         if not isinstance(base, dist.TCPStore):
+            return
+        if spare is not None and spare.base is base and spare.reusable():
+            self.store, self._sockets, self.reused = spare.store, dict(spare._sockets), True
             return
         # The clone's socket takes the lowest free descriptors (no scan of /proc/self/fd, which
         # costs with many open files): look at the few from the lowest free one up, and take
@@ -135,6 +165,30 @@ class Line:
         self._sockets = {
             inode: fd for inode, fd in _store_sockets(window, port).items() if before.get(inode) != fd
         }
+
+    def reusable(self) -> bool:
+        """Whether another attempt may take over this line's connection: a connection of its
+        own, never cut (nor about to be), still connected with nothing unread (a request of
+        torch's cut short would leave its answer there), and free: it answers a request within
+        :data:`_PROBE_S` (a wait of torch's left running on it, by a group that outlived its
+        launch, would hold it). Never raises."""
+        with self._lock:
+            if self._was_cut or self._wanted or self._held:
+                return False
+        if self.store is self.base or len(self._sockets) != 1:
+            return False  # no connection of its own, or its socket was not found (never checked)
+        if not all(_idle(fd, inode) for inode, fd in self._sockets.items()):
+            return False
+        answered = threading.Event()
+        store = self.store
+
+        def probe() -> None:  # in a thread: a busy connection blocks it, not the launch
+            with contextlib.suppress(Exception):
+                store.check(["parallelctx/line"])
+                answered.set()
+
+        threading.Thread(target=probe, name="parallelctx-line-probe", daemon=True).start()
+        return answered.wait(_PROBE_S)
 
     def hold(self) -> bool:
         """Keep the line uncut from now until :meth:`release`: torch is about to connect the
@@ -172,21 +226,31 @@ class Bell:
     """Waits, in a thread on its own store connection, until a peer abandons the attempt under
     ``prefix`` (:func:`abandon`) or :meth:`stop` is called; when a peer abandons it, sets
     ``halted``, cuts ``line`` and keeps who it was (:attr:`heard`). ``timeout`` bounds the wait
-    (the launch's: a launch that runs longer fails on its own)."""
+    (the launch's: a launch that runs longer fails on its own). ``ear``: the connection to wait
+    on, an earlier bell's (:meth:`spare`) on the same ``base``; a new one is made without it."""
 
     def __init__(
-        self, base: Any, prefix: str, rank: int, line: Line, halted: threading.Event, timeout: timedelta
+        self,
+        base: Any,
+        prefix: str,
+        rank: int,
+        line: Line,
+        halted: threading.Event,
+        timeout: timedelta,
+        ear: Any = None,
     ) -> None:
         self.heard: Abandoned | None = None
-        self._base, self._prefix, self._rank = base, prefix, rank
+        self.base, self._prefix, self._rank = base, prefix, rank
         self.line, self._halted = line, halted
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._ear: Any = None
+        self._whole = False  # the wait and the read both answered: the ear is fit for another bell
         if not isinstance(base, dist.TCPStore):
             return
-        ear = base.clone()  # type: ignore[attr-defined]
+        self._ear = ear if ear is not None else base.clone()  # type: ignore[attr-defined]
         self._thread = threading.Thread(
-            target=self._listen, args=(ear, timeout), name="parallelctx-launch-bell", daemon=True
+            target=self._listen, args=(self._ear, timeout), name="parallelctx-launch-bell", daemon=True
         )
         self._thread.start()
 
@@ -197,6 +261,7 @@ class Bell:
             value = ear.get(key)
         except Exception:
             return  # the launch's own deadline speaks for it
+        self._whole = True
         if value == _DONE or self._stopping.is_set():
             return
         with contextlib.suppress(ValueError):
@@ -214,6 +279,15 @@ class Bell:
         self._stopping.set()
         if self._thread is not None:
             with contextlib.suppress(Exception):
-                self._base.set(_bell_key(self._prefix, self._rank), _DONE)
+                self.base.set(_bell_key(self._prefix, self._rank), _DONE)
             self._thread.join(5.0)
         return self.heard
+
+    def spare(self) -> Any:
+        """This bell's connection, for the next attempt's bell (``ear``), once :meth:`stop`
+        ended its thread after a wait and a read that both answered; else None (a thread still
+        waiting, or a connection whose last request failed, is left alone)."""
+        thread = self._thread
+        if thread is None or thread.is_alive() or not self._whole:
+            return None
+        return self._ear

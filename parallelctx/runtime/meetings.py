@@ -78,6 +78,9 @@ class Meetings:
         # the base store; the bell of the attempt once past the meeting (runtime/bell.py).
         self._attempt: tuple[str, int, int, Any] | None = None
         self._bell: Bell | None = None
+        # The last attempt's line and bell connection, taken over by the next attempt on the same
+        # base store: a relaunch makes no new store connection (see runtime/bell.py)
+        self._spare: tuple[Line, Any] | None = None
         self.halted = threading.Event()
         self._called_off: Abandoned | None = None  # another rank called this attempt off before connecting
         self.url: str | None = None  # the URL of the last meeting
@@ -240,9 +243,13 @@ class Meetings:
         )
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:
-            line = Line(base)
+            # The groups of the attempt the spare served are gone: the next meeting of this
+            # process comes after destroy() or after a failed attempt was undone.
+            spare, self._spare = self._spare, None
+            line = Line(base, spare[0] if spare is not None else None)
+            ear = spare[1] if spare is not None and spare[0].base is base else None
             left = timedelta(seconds=max(deadline - time.monotonic(), 0.0) + 5.0)
-            self._bell = Bell(base, prefix, rank, line, self.halted, left)
+            self._bell = Bell(base, prefix, rank, line, self.halted, left, ear)
             self._plain = {id(meeting): dist.PrefixStore(prefix, line.store)}
         else:
             self._plain = {id(meeting): dist.PrefixStore(prefix, base)}
@@ -317,6 +324,8 @@ class Meetings:
         """
         bell, self._bell = self._bell, None
         heard = bell.stop() if bell is not None else None
+        if bell is not None:  # taken over by the next attempt if still whole then (Line, Bell)
+            self._spare = (bell.line, bell.spare())
         heard, self._called_off = heard or self._called_off, None
         if heard is None and self.halted.is_set() and self._attempt is not None:
             heard = Abandoned(-1, self._attempt[0])
