@@ -229,31 +229,3 @@ def test_the_loops_listener_is_the_listening_socket_not_the_lowest_numbered() ->
         os.close(wake_r)
         os.close(wake_w)
 
-
-@pytest.mark.parametrize("owner_blocking", [True, False])
-def test_looking_at_a_socket_leaves_its_owners_blocking_mode_as_it_was(owner_blocking: bool) -> None:
-    # parallelctx looks at torch's and gloo's sockets through a duplicate (socket_at), which
-    # shares the open file and its O_NONBLOCK; socket.setdefaulttimeout, set by user code, would
-    # make the socket object switch it for the owner too.
-    import socket
-
-    from parallelctx.guard.sockets import endpoint_of, shut_down_fd, socket_at
-
-    a, b = socket.socketpair()
-    previous = socket.getdefaulttimeout()
-    try:
-        os.set_blocking(a.fileno(), owner_blocking)
-        inode = os.fstat(a.fileno()).st_ino
-        socket.setdefaulttimeout(3.0)
-        with socket_at(a.fileno(), inode) as sock:
-            assert sock is not None and sock.gettimeout() is None
-        assert endpoint_of(a.fileno(), inode) is None  # not a listener
-        assert os.get_blocking(a.fileno()) is owner_blocking
-        with socket_at(a.fileno(), inode + 1) as sock:  # another file now has this number
-            assert sock is None
-        assert shut_down_fd(a.fileno(), inode)
-        assert os.get_blocking(a.fileno()) is owner_blocking and b.recv(1) == b""  # shut down
-    finally:
-        socket.setdefaulttimeout(previous)
-        a.close()
-        b.close()

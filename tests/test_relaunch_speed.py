@@ -216,3 +216,76 @@ def test_the_next_bell_listens_on_the_last_bells_connection(server: dist.TCPStor
     assert halted.is_set() and second.heard is not None and second.heard.rank == 1
     assert second.stop() is not None
     assert second.spare() is ear
+
+
+def test_a_taken_over_line_and_ear_wait_with_the_new_launchs_timeout(server: dist.TCPStore) -> None:
+    # A clone takes the base store's timeout when it is made, and each launch sets the base's to
+    # its dist.timeout first: a connection taken over must get it too, not keep the timeout of
+    # the launch that made it (torch's groups of the new launch wait on the line with it)
+    line, halted = Line(server), threading.Event()
+    bell = Bell(server, "a/", 0, line, halted, WAIT)
+    bell.stop()
+    ear = bell.spare()
+    assert ear is not None
+    short = timedelta(seconds=0.5)
+    server.set_timeout(short)  # the next launch's dist.timeout
+    taken = Line(server, line)
+    assert taken.reused
+    Bell(server, "b/", 0, taken, halted, WAIT, ear).stop()
+    assert taken.store.timeout == short and ear.timeout == short
+    begin = time.monotonic()
+    with pytest.raises(Exception):
+        dist.PrefixStore("b/", taken.store).get("never")
+    assert time.monotonic() - begin < 5.0
+
+
+@pytest.mark.parametrize("default", [None, 3.0])
+@pytest.mark.parametrize("owner_blocking", [True, False])
+def test_looking_at_a_socket_never_changes_its_owners_mode_even_for_a_moment(
+    owner_blocking: bool, default: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The duplicate shares O_NONBLOCK with the owner's descriptor, which the owner's threads use
+    # meanwhile: a gloo socket (non-blocking) turned blocking while parallelctx looked at it,
+    # gloo's loop, which reads until EAGAIN, could block there. Every mode the socket had while a
+    # socket object over it was made or set is recorded.
+    import socket
+
+    from parallelctx.guard.sockets import endpoint_of, shut_down_fd
+    from parallelctx.runtime.bell import _idle, _peer_port
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    peer, _ = listener.accept()
+    seen: list[bool] = []
+    real, previous = socket.socket, socket.getdefaulttimeout()
+
+    class Recording(real):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            seen.append(os.get_blocking(self.fileno()))
+
+        def settimeout(self, value: Any) -> None:
+            super().settimeout(value)
+            seen.append(os.get_blocking(self.fileno()))
+
+        def setblocking(self, flag: bool) -> None:
+            super().setblocking(flag)
+            seen.append(os.get_blocking(self.fileno()))
+
+    try:
+        for sock in (listener, client):
+            os.set_blocking(sock.fileno(), owner_blocking)
+        monkeypatch.setattr(socket, "socket", Recording)
+        socket.setdefaulttimeout(default)
+        fd, inode = client.fileno(), os.fstat(client.fileno()).st_ino
+        assert endpoint_of(listener.fileno(), os.fstat(listener.fileno()).st_ino) is not None
+        assert _peer_port(fd, inode) == listener.getsockname()[1]
+        assert _idle(fd, inode)
+        assert shut_down_fd(fd, inode)
+        assert seen and all(mode is owner_blocking for mode in seen), seen
+        assert os.get_blocking(fd) is owner_blocking and peer.recv(1) == b""
+    finally:
+        socket.setdefaulttimeout(previous)
+        monkeypatch.undo()
+        for sock in (listener, client, peer):
+            sock.close()

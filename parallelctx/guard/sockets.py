@@ -21,7 +21,6 @@ Imports nothing from parallelctx.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import socket
@@ -40,6 +39,7 @@ listener first (4 descriptors), so up to 6 opened meanwhile by other threads sti
 among the slots (reading a slot costs a ``dup``; a group not found is logged)."""
 
 _EPOLL = "anon_inode:[eventpoll]"
+_NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux, where /proc is read
 _TFD = re.compile(r"^tfd:\s*(\d+)\s.*?\sino:([0-9a-f]+)", re.MULTILINE)
 
 
@@ -59,26 +59,34 @@ def _wrap(fd: int, inode: int) -> socket.socket | None:
         if info.st_ino != inode or not stat.S_ISSOCK(info.st_mode):
             os.close(copy)  # the number was reused for another file
             return None
-        flags = fcntl.fcntl(copy, fcntl.F_GETFL)
-        sock = socket.socket(fileno=copy)  # owns (and closes) the duplicate from here
+        # The duplicate shares its open file, and so O_NONBLOCK, with the owner's descriptor,
+        # which the owner's threads may be using meanwhile (torch's waits, gloo's event loop): its
+        # mode must not change, not even for a moment. A socket object made the usual way sets
+        # socket.setdefaulttimeout's mode, and settimeout() its own (a gloo socket, non-blocking,
+        # turned blocking meanwhile: gloo's loop reads until EAGAIN). SOCK_NONBLOCK in ``type``
+        # gives an object of timeout 0 that sets no mode; the family is read from the socket,
+        # the type is not (see is_stream).
+        kind = socket.SOCK_STREAM | _NONBLOCK if _NONBLOCK else -1
+        sock = socket.socket(type=kind, fileno=copy)  # owns (and closes) the duplicate from here
     except (OSError, ValueError):
         os.close(copy)
         return None
-    # The duplicate shares its open file (and O_NONBLOCK) with the owner's descriptor: the
-    # constructor applied socket.setdefaulttimeout's mode to it; a blocking socket object here,
-    # and the owner's flags as they were.
-    with contextlib.suppress(OSError):
-        sock.settimeout(None)
-        fcntl.fcntl(copy, fcntl.F_SETFL, flags)
     return sock
+
+
+def is_stream(sock: socket.socket) -> bool:
+    """Whether ``sock`` (from :func:`socket_at`, whose ``type`` says nothing) is a stream socket."""
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_TYPE) == socket.SOCK_STREAM
 
 
 @contextlib.contextmanager
 def socket_at(fd: int, inode: int) -> Iterator[socket.socket | None]:
     """A socket object over a duplicate of descriptor ``fd`` while it is the socket with inode
     ``inode`` (a number reused meanwhile for another file is not mistaken), else None; closed
-    on exit, leaving ``fd`` and its blocking mode to their owner (torch, gloo). Raises only what
-    the body raises."""
+    on exit, leaving ``fd`` and its blocking mode to their owner (torch, gloo), never changed,
+    not even while the body runs. The object has timeout 0 (a call that would wait raises
+    BlockingIOError when the owner's socket is non-blocking) whose ``type`` may say SOCK_STREAM
+    for any socket: :func:`is_stream` asks the socket. Raises only what the body raises."""
     sock = _wrap(fd, inode)
     try:
         yield sock
@@ -96,7 +104,7 @@ def endpoint_of(fd: int, inode: int) -> Endpoint | None:
             if (
                 sock is not None
                 and sock.family in (socket.AF_INET, socket.AF_INET6)
-                and sock.type == socket.SOCK_STREAM
+                and is_stream(sock)
                 and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
             ):
                 address, port = sock.getsockname()[:2]

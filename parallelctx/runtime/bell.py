@@ -45,7 +45,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..guard.sockets import shut_down_fd, socket_at
+from ..guard.sockets import is_stream, shut_down_fd, socket_at
 from .rendezvous import ABANDONED
 
 __all__ = ["Abandoned", "Bell", "Line", "abandon"]
@@ -92,7 +92,7 @@ def _peer_port(fd: int, inode: int) -> int | None:
     """The remote port of the connected TCP socket at ``fd`` (inode ``inode``), else None."""
     try:
         with socket_at(fd, inode) as sock:
-            if sock is None or sock.type != socket.SOCK_STREAM:
+            if sock is None or not is_stream(sock):
                 return None
             if sock.family not in (socket.AF_INET, socket.AF_INET6):
                 return None
@@ -151,6 +151,9 @@ class Line:
             return
         if spare is not None and spare.base is base and spare.reusable():
             self.store, self._sockets, self.reused = spare.store, dict(spare._sockets), True
+            # as a clone made now would be: base's timeout, this launch's dist.timeout (torch's
+            # groups wait on the line with it), not the one of the launch that made it
+            self.store.set_timeout(base.timeout)
             return
         # The clone's socket takes the lowest free descriptors (no scan of /proc/self/fd, which
         # costs with many open files): look at the few from the lowest free one up, and take
@@ -248,6 +251,8 @@ class Bell:
         self._whole = False  # the wait and the read both answered: the ear is fit for another bell
         if not isinstance(base, dist.TCPStore):
             return
+        if ear is not None:
+            ear.set_timeout(base.timeout)  # type: ignore[attr-defined]  # as a clone made now would be
         self._ear = ear if ear is not None else base.clone()  # type: ignore[attr-defined]
         self._thread = threading.Thread(
             target=self._listen, args=(self._ear, timeout), name="parallelctx-launch-bell", daemon=True
