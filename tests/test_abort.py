@@ -228,4 +228,3 @@ def test_the_loops_listener_is_the_listening_socket_not_the_lowest_numbered() ->
             s.close()
         os.close(wake_r)
         os.close(wake_w)
-
