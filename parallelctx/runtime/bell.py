@@ -182,16 +182,20 @@ class Line:
             return False  # no connection of its own, or its socket was not found (never checked)
         if not all(_idle(fd, inode) for inode, fd in self._sockets.items()):
             return False
-        answered = threading.Event()
+        ended, answered = threading.Event(), []
         store = self.store
 
         def probe() -> None:  # in a thread: a busy connection blocks it, not the launch
-            with contextlib.suppress(Exception):
+            try:
                 store.check(["parallelctx/line"])
-                answered.set()
+                answered.append(True)
+            except Exception:
+                pass  # a failed request: not reusable, known at once
+            finally:
+                ended.set()
 
         threading.Thread(target=probe, name="parallelctx-line-probe", daemon=True).start()
-        return answered.wait(_PROBE_S)
+        return ended.wait(_PROBE_S) and bool(answered)
 
     def hold(self) -> bool:
         """Keep the line uncut from now until :meth:`release`: torch is about to connect the
