@@ -236,7 +236,8 @@ class GroupMaker:
         """
         if local and ranks is not None:
             self.claim(ranks)
-        slots = FdSlots.reserve()
+        # a group of one rank has no peers, so no connection for abort to shut down
+        slots = FdSlots.reserve() if ranks is None or len(ranks) > 1 else None
         with lazy_gloo(self.lazy):
             self.eager = self.eager or connects_at_creation(backend)
             group = dist.new_group(
