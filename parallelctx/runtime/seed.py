@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ __all__ = [
     "RNGStreams",
     "Stream",
     "mode_seed",
+    "seed_at",
     "seed_everything",
     "stream_slot",
 ]
@@ -182,8 +183,17 @@ def mode_seed(layout: Layout, rank: int, mode: Stream, base: int, module: int = 
     Raises:
         LayoutError: an unknown stream or a rank outside the layout.
     """
-    key = parse_stream(mode)
-    coords = layout.coords(rank)
+    return seed_at(layout, layout.coords(rank), parse_stream(mode), base, module)
+
+
+def seed_at(layout: Layout, coords: Mapping[str, int], key: Any, base: int, module: int = 0) -> int:
+    """Return :func:`mode_seed` for the rank at ``coords`` (``layout.coords(rank)``, read once
+    for all of a rank's streams) and the stream key ``key`` (:func:`parse_stream`'s).
+
+    Raises:
+        KeyError: ``key`` is no stream key.
+        ValueError: as :func:`stream_slot`.
+    """
     index = 0
     for axis in STREAM_AXES[key]:
         index = index * layout.axis_size(axis) + coords[axis]

@@ -43,7 +43,7 @@ from .meetings import DefaultGroup, Meetings, init_default_group
 from .mesh import build_device_mesh
 from .rendezvous import Arrival
 from .rngstate import RNGState, capture, restore
-from .seed import STREAMS, RNGStreams, mode_seed, parse_stream
+from .seed import STREAMS, RNGStreams, parse_stream, seed_at
 from .simulate import meet
 
 __all__ = [
@@ -442,8 +442,9 @@ def make_streams(
         raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32)")
     seeds: dict[Any, int] = {}
     for name, (number, lay) in (modules or {None: (0, layout)}).items():
+        coords = lay.coords(rank)
         for key in STREAMS:
-            seeds[key if name is None else (name, key)] = mode_seed(lay, rank, key, seed, number)
+            seeds[key if name is None else (name, key)] = seed_at(lay, coords, key, seed, number)
     return RNGStreams(seeds, cuda=device.type == "cuda")
 
 
