@@ -228,3 +228,33 @@ def test_the_loops_listener_is_the_listening_socket_not_the_lowest_numbered() ->
             s.close()
         os.close(wake_r)
         os.close(wake_w)
+
+
+def test_a_loop_watching_a_named_fifo_is_not_taken_for_a_gloo_loop(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # gloo's wake-up pipe is anonymous; another thread's loop watching a FIFO made by mkfifo and a
+    # listener was taken for a gloo loop once pipes were told apart by fstat alone (skeptic, 2026-12-05)
+    import select
+
+    from parallelctx.guard.sockets import GlooLoop
+
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    fifo = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    listener = socket.create_server(("127.0.0.1", 0))
+    epoll = select.epoll()
+    epoll.register(fifo, select.EPOLLIN)
+    epoll.register(listener.fileno(), select.EPOLLIN)
+    wake_r, wake_w = os.pipe()
+    gloo_like = select.epoll()
+    gloo_like.register(wake_r, select.EPOLLIN)
+    gloo_like.register(listener.fileno(), select.EPOLLIN)
+    try:
+        assert GlooLoop.at(epoll.fileno()) is None
+        assert GlooLoop.at(gloo_like.fileno()) is not None  # the same listener with an anonymous pipe
+    finally:
+        epoll.close()
+        gloo_like.close()
+        listener.close()
+        os.close(fifo)
+        os.close(wake_r)
+        os.close(wake_w)

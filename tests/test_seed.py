@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from parallelctx import ParallelMode, plan
+from parallelctx import LayoutError, ParallelMode, plan
 from parallelctx.limits import MAX_WORLD_SIZE
 from parallelctx.seed import STREAM_AXES, STREAMS, mode_seed
 
@@ -128,3 +128,13 @@ def test_seeding_without_cuda_queues_no_deferred_cuda_seed_and_draws_the_same() 
     for mode, seed in seeds.items():
         torch.manual_seed(seed)
         assert torch.equal(got[mode], torch.rand(4)), mode
+
+
+def test_an_unknown_stream_is_named_before_a_rank_outside_the_layout() -> None:
+    # mode_seed checks the stream before the rank (seed_at, which reads the coordinates once for
+    # every stream of make_streams, must not change which mistake the message names)
+    layout = plan(world_size=4, tensor=2)
+    with pytest.raises(LayoutError, match="unknown parallel mode 'bogus'"):
+        mode_seed(layout, 99, "bogus", 1)
+    with pytest.raises(LayoutError, match="rank=99"):
+        mode_seed(layout, 99, "tensor", 1)

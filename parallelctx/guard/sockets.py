@@ -144,6 +144,15 @@ def _registered(epoll: int) -> list[tuple[int, int]]:
     return [(int(fd), int(ino, 16)) for fd, ino in _TFD.findall(b"".join(chunks).decode())]
 
 
+def _anonymous_pipe(fd: int) -> bool:
+    """Whether descriptor ``fd`` (a FIFO by ``fstat``) is an anonymous pipe, as gloo's wake-up
+    pipe is, and not a named FIFO (``mkfifo``) that another thread's loop may watch."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class GlooLoop:
     """A gloo group's event loop in this process: the number of its ``epoll`` descriptor, and
@@ -173,7 +182,7 @@ class GlooLoop:
                 modes[tfd] = os.fstat(tfd)
             except OSError:
                 continue
-        if not any(stat.S_ISFIFO(info.st_mode) for info in modes.values()):
+        if not any(stat.S_ISFIFO(info.st_mode) and _anonymous_pipe(tfd) for tfd, info in modes.items()):
             return None  # no wake-up pipe: not gloo's loop
         for tfd, inode in registered:
             info = modes.get(tfd)

@@ -183,7 +183,8 @@ def mode_seed(layout: Layout, rank: int, mode: Stream, base: int, module: int = 
     Raises:
         LayoutError: an unknown stream or a rank outside the layout.
     """
-    return seed_at(layout, layout.coords(rank), parse_stream(mode), base, module)
+    key = parse_stream(mode)  # before the rank: an unknown stream is named first, as before
+    return seed_at(layout, layout.coords(rank), key, base, module)
 
 
 def seed_at(layout: Layout, coords: Mapping[str, int], key: Any, base: int, module: int = 0) -> int:
