@@ -453,7 +453,9 @@ def test_no_report_on_a_healthy_200_step_loop(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_a_pipeline_stage_that_skips_a_recv_is_named_with_the_pair(tmp_path: Path) -> None:
     proc = run_torchrun(8, ["tests/torchrun_pipeline_hang.py", str(tmp_path)], timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # each rank's own error lines first: torchrun's summary fills the tail
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if line.startswith("[rank")]
+    assert proc.returncode == 0, "\n".join(said[-60:]) + proc.stderr[-2000:]
     rows = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json"))}
     assert sorted(rows) == list(range(8)), proc.stdout[-3000:]
     (skipper,) = [r for r in rows.values() if r["skips"]]
@@ -465,7 +467,7 @@ def test_a_pipeline_stage_that_skips_a_recv_is_named_with_the_pair(tmp_path: Pat
         report
     )
     assert report["mode"] == "global" and report["peer_count"] == 2, report  # dist.send without group=
-    assert report["after_entry_s"] < 2.0 + 5.0, report
+    assert report["after_entry_s"] < 5.0 + 5.0, report
     text = report["text"]
     assert f"rank {upstream} (pipeline stage 1, tensor rank 0) has waited" in text, text
     assert f"in send(float32[4, 8] to rank {who}), send 3 to rank {who} on the global group" in text, text
@@ -493,7 +495,7 @@ def test_a_torch_pipelining_stage_that_stops_early_is_named_by_both_neighbours(t
     assert "rank 2 (pipeline stage 2) never received it" in before["text"], before["text"]
     assert "rank 2 (pipeline stage 2) never sent it" in after["text"], after["text"]
     for report in (before, after):
-        assert report["after_entry_s"] < 2.0 + 5.0, report
+        assert report["after_entry_s"] < 5.0 + 5.0, report
     assert rows[2]["reports"] == []
 
 

@@ -4,7 +4,10 @@ A user's pipeline forward (tensor 2, pipeline 4): each stage receives its activa
 stage before and sends its own to the next, 3 micro-batches, with torch's own ``dist.send`` and
 ``dist.recv``. Stage 2 of the pipeline whose tensor rank is 0 skips the receive of micro-batch 1.
 On gloo a send waits for its receive: stage 1 waits in its third send, which stage 2 never
-receives (stage 2 then sends all three; the last stage does not wait). ``dist.hang_report.after`` is 2 s;
+receives (stage 2 then sends all three; the last stage does not wait). ``dist.hang_report.after`` is 5 s
+(at 2 s, a loaded machine can hold a healthy rank's neighbour off the CPU that long: the report
+is then right, and this handler would end a rank the others still talk to; one run failed so,
+probably, its error lost in the tail of torchrun's output);
 the hung rank's handler writes the report and ends its process. Writes OUT/rank-<R>.json: the
 rank's place, its pipeline neighbours and the reports.
 """
@@ -24,7 +27,7 @@ from torchrun_helpers import hang_report_row
 from parallelctx import ParallelMode, gpc, launch_from_torch
 
 out = Path(sys.argv[1])
-launch_from_torch({"parallel": {"tensor": 2, "pipeline": 4}, "dist": {"hang_report": {"after": 2.0}}})
+launch_from_torch({"parallel": {"tensor": 2, "pipeline": 4}, "dist": {"hang_report": {"after": 5.0}}})
 rank = dist.get_rank()
 stage = gpc.get_local_rank(ParallelMode.PIPELINE)
 first, last = gpc.is_first_rank(ParallelMode.PIPELINE), gpc.is_last_rank(ParallelMode.PIPELINE)
@@ -55,5 +58,5 @@ for micro in range(3):
     if nxt is not None:
         dist.send(activation, dst=nxt)
 write()
-time.sleep(10)  # the others keep their progress posted while the hung rank is reported
+time.sleep(15)  # the others keep their progress posted while the hung rank is reported
 os._exit(0)
