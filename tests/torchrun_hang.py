@@ -4,7 +4,8 @@ Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
 
 * ``skip``: ranks 1, 5 and 7 all-reduce on the data group; rank 3 never enters it (it sleeps).
   ``dist.hang_report.after`` is 4 s; a handler records each report and calls ``report.abort()``
-  2 s later, which ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
+  6 s later (``after`` + 2 s: a report can come up to ``after`` late when the store is slow), which
+  ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
   process and proves the relaunch with a data-group all-reduce against the serial sum.
 * ``mismatch``: on the tensor group {0, 1} rank 0 calls ``all_reduce`` and rank 1 ``broadcast``;
   each is reported with the other as mismatched, then aborted and relaunched as above.
@@ -89,8 +90,11 @@ def main() -> int:
         record["reports"].append(row)
         if scenario != "healthy":
             # Abort 2 s later: every waiting rank reports first (one rank's abort may end the
-            # others' calls too; report.abort() then leaves their relaunch alone).
-            threading.Timer(2.0, report.abort).start()
+            # others' calls too; report.abort() then leaves their relaunch alone). ``skip`` waits
+            # ``after`` longer: a report whose read of the store timed out comes up to ``after``
+            # late, and a waiting rank of a loaded machine had its call ended unreported once.
+            delay = 2.0 + (AFTER[scenario] if scenario == "skip" else 0.0)
+            threading.Timer(delay, report.abort).start()
 
     gpc.on_hang(on_hang)
     if scenario == "slow":
@@ -156,7 +160,7 @@ def main() -> int:
                 record["raised"] = str(exc).splitlines()[0][:200]
             record["ended_s"] = time.perf_counter() - entered["t"]
         elif scenario == "skip" and rank == 3:
-            time.sleep(AFTER[scenario] + 6)  # never enters the all-reduce
+            time.sleep(AFTER[scenario] + 10)  # never enters the all-reduce (stays past the aborts)
         elif scenario == "skip":
             entered["t"] = time.perf_counter()
             dist.all_reduce(torch.ones(4), group=data)  # the other data group completes
