@@ -35,6 +35,12 @@ def test_hang_report_is_off_by_default_and_checked() -> None:
         load_config({"dist": {"hang_report": 30}})
     with pytest.raises(ValueError, match="dist.hang_report.after=0 must be positive"):
         load_config({"dist": {"hang_report": {"after": 0}}})
+    assert cfg.dist.hang_report.store_wait == timedelta(seconds=10)
+    assert load_config(
+        {"dist": {"hang_report": {"after": 30, "store_wait": 2.5}}}
+    ).dist.hang_report.store_wait == (timedelta(seconds=2.5))
+    with pytest.raises(ValueError, match="dist.hang_report.store_wait=-1 must be positive"):
+        load_config({"dist": {"hang_report": {"after": 30, "store_wait": -1}}})
 
 
 def test_on_hang_refuses_what_it_cannot_call() -> None:
@@ -270,6 +276,7 @@ def torchrun_rows(
     assert proc.returncode == 0, ours[-4000:] + "\n...\n" + proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == list(range(nproc)), ours[-4000:] + proc.stdout[-3000:]
+    print(ours[-6000:])  # the ranks' own lines (store stalls, reports), shown when a test fails
     return rows
 
 
@@ -284,8 +291,11 @@ def test_a_rank_that_skips_an_all_reduce_on_the_data_group_is_named_by_every_wai
             (report,) = row["reports"]  # one report per waiting rank
             assert (report["mode"], report["op"], report["missing"]) == ("data", "all_reduce", [3]), report
             assert report["call"] == "all_reduce(float32[4])" and report["mismatched"] == {}
-            assert report["after_entry_s"] < 4.0 + 5.0, report  # dist.hang_report.after = 4 s
-            assert row["raised"] and row["ended_s"] < 4.0 + 5.0 + 6.0, row  # the handler's abort, 6 s later
+            # after = 4 s; a slow store's report up to the read's wait (1 s) + store_wait (8 s) later
+            assert report["after_entry_s"] < 4.0 + 1.0 + 8.0 + 3.0, report
+            assert row["raised"] and row["ended_s"] < report["after_entry_s"] + 11.0 + 2.0, (
+                row
+            )  # the abort, 11 s on
         else:
             assert row["reports"] == [], row
         assert row["relaunch_sum"] == row["relaunch_expected"], row
@@ -558,6 +568,7 @@ def test_a_stalled_store_does_not_silence_the_report_and_is_named(tmp_path: Path
             store,
             [(dist.group.WORLD, (ParallelMode.DATA,), False, (0, 1))],
             [reports.append],
+            store_wait=timedelta(seconds=1.5),
         )
         watch.start()
         try:
@@ -566,11 +577,14 @@ def test_a_stalled_store_does_not_silence_the_report_and_is_named(tmp_path: Path
             with caplog.at_level("WARNING", logger="parallelctx"):
                 while not reports and time.monotonic() - begin < 10:
                     time.sleep(0.05)
+            at = time.monotonic() - begin
         finally:
             store.release.set()
             watch.stop()
         (report,) = reports
-        assert time.monotonic() - begin < 0.4 + 5, "the report waited for the stalled store"
+        # after (0.4 s), the first read's own wait (1 s), then store_wait (1.5 s) of reading again
+        assert at >= 0.4 + 1.5, f"the report came at {at:.2f} s: it did not read again for store_wait"
+        assert at < 0.4 + 1 + 1.5 + 2, f"the report came at {at:.2f} s: it waited for the stalled store"
         assert not report.progress_known and report.store_stalled and report.missing == ()
         assert "could not be read from the launch's store (it did not answer in time" in str(report)
         assert "the launch's store did not answer within 1 s" in caplog.text

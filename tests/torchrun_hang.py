@@ -3,12 +3,14 @@
 Scenarios (parallel.tensor=2, so the data groups are {0,2,4,6} and {1,3,5,7}):
 
 * ``skip``: ranks 1, 5 and 7 all-reduce on the data group; rank 3 never enters it (it sleeps).
-  ``dist.hang_report.after`` is 4 s; a handler records each report and calls ``report.abort()``
-  6 s later (``after`` + 2 s: a report can come up to ``after`` late when the store is slow), which
-  ends the waiting ranks' all-reduce. Every rank then destroys, relaunches in the same
-  process and proves the relaunch with a data-group all-reduce against the serial sum.
+  ``dist.hang_report.after`` is 4 s and ``store_wait`` 8 s; a handler records each report and
+  calls ``report.abort()`` 11 s later (``ABORT_LATE``: a report can come up to 1 s +
+  ``store_wait`` late when the store is slow), which ends the waiting ranks' all-reduce. Every
+  rank then destroys, relaunches in the same process and proves the relaunch with a data-group
+  all-reduce against the serial sum.
 * ``mismatch``: on the tensor group {0, 1} rank 0 calls ``all_reduce`` and rank 1 ``broadcast``;
-  each is reported with the other as mismatched, then aborted and relaunched as above.
+  each is reported with the other as mismatched, then aborted (``ABORT_LATE``) and relaunched as
+  above.
 * ``slow`` (4 ranks, 6 cycles in the same processes): on the global group ranks 0 and 3
   all-reduce at once, rank 1 only after ``after - 0.02`` s (slow, but it arrives before anyone
   has waited ``after``), rank 2 never. Rank 2 is missing; rank 1 must never be named.
@@ -64,6 +66,11 @@ AFTER = {
     "shape_mismatch": 1.0,
     "functional": 2.0,
 }
+# dist.hang_report.store_wait: a report whose read of the progress timed out (a loaded
+# machine's store can be silent for seconds) reads again this long, so it may come up to the
+# read's own wait (1 s) + STORE_WAIT later than a prompt one.
+STORE_WAIT = 8.0
+ABORT_LATE = 2.0 + 1.0 + STORE_WAIT
 SHAPE_CYCLES = {
     "per_rank_shapes": ["all_to_all_single", "gather", "scatter"],
     "shape_mismatch": ["all_reduce", "broadcast"],
@@ -74,7 +81,8 @@ def main() -> int:
     """Run SCENARIO on this rank; return 0 (the test reads the JSON file)."""
     out, scenario = Path(sys.argv[1]), sys.argv[2]
     rank = int(os.environ["RANK"])
-    config = {"parallel": {"tensor": 2}, "dist": {"timeout": 60, "hang_report": {"after": AFTER[scenario]}}}
+    hang = {"after": AFTER[scenario], "store_wait": STORE_WAIT}
+    config = {"parallel": {"tensor": 2}, "dist": {"timeout": 60, "hang_report": hang}}
     record: dict = {"rank": rank, "reports": []}
     entered: dict[str, float] = {}
 
@@ -90,10 +98,11 @@ def main() -> int:
         record["reports"].append(row)
         if scenario != "healthy":
             # Abort 2 s later: every waiting rank reports first (one rank's abort may end the
-            # others' calls too; report.abort() then leaves their relaunch alone). ``skip`` waits
-            # ``after`` longer: a report whose read of the store timed out comes up to ``after``
-            # late, and a waiting rank of a loaded machine had its call ended unreported once.
-            delay = 2.0 + (AFTER[scenario] if scenario == "skip" else 0.0)
+            # others' calls too; report.abort() then leaves their relaunch alone). ``skip`` and
+            # ``mismatch`` wait ABORT_LATE: a report whose read of the store timed out comes up
+            # to 1 s + STORE_WAIT late, and on a loaded machine a waiting rank had its call ended
+            # unreported (skip) or reported without the others' progress (mismatch).
+            delay = ABORT_LATE if scenario in ("skip", "mismatch") else 2.0
             threading.Timer(delay, report.abort).start()
 
     gpc.on_hang(on_hang)
@@ -160,7 +169,7 @@ def main() -> int:
                 record["raised"] = str(exc).splitlines()[0][:200]
             record["ended_s"] = time.perf_counter() - entered["t"]
         elif scenario == "skip" and rank == 3:
-            time.sleep(AFTER[scenario] + 10)  # never enters the all-reduce (stays past the aborts)
+            time.sleep(AFTER[scenario] + 1.0 + STORE_WAIT + ABORT_LATE + 2)  # stays past the aborts
         elif scenario == "skip":
             entered["t"] = time.perf_counter()
             dist.all_reduce(torch.ones(4), group=data)  # the other data group completes

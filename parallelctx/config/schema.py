@@ -16,6 +16,7 @@ from pydantic import (
     StrictBool,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -470,8 +471,10 @@ class HangReportConfig(BaseModel):
     """``dist.hang_report``: report a collective that has waited longer than ``after`` seconds.
 
     ``after`` takes seconds (int or float) or a :class:`datetime.timedelta`, in the range of
-    ``dist.timeout``; make it at most half of ``dist.timeout``, or torch may raise first (a
-    report waits up to ``after`` more for a slow store). ``log``
+    ``dist.timeout``; keep ``after + store_wait`` below ``dist.timeout``, or torch may raise
+    first (a report waits up to ``store_wait`` more for a slow store). ``store_wait`` (same forms,
+    default 10 s) is how long a report whose read of the other ranks' progress timed out reads
+    again before it is made without that progress. ``log``
     (default True) logs each report as a warning on the ``parallelctx`` logger; the handlers of
     ``gpc.on_hang`` are called either way. See ``docs/reliability.md``.
     """
@@ -479,6 +482,7 @@ class HangReportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     after: timedelta
+    store_wait: timedelta = timedelta(seconds=10)
     log: StrictBool = True
 
     @model_validator(mode="before")
@@ -491,11 +495,11 @@ class HangReportConfig(BaseModel):
             )
         return _only_known_keys("dist.hang_report", value, tuple(cls.model_fields))
 
-    @field_validator("after", mode="before")
+    @field_validator("after", "store_wait", mode="before")
     @classmethod
-    def _seconds_or_timedelta(cls, value: Any) -> Any:
+    def _seconds_or_timedelta(cls, value: Any, info: ValidationInfo) -> Any:
         try:
-            return to_timedelta(value, "dist.hang_report.after")
+            return to_timedelta(value, f"dist.hang_report.{info.field_name}")
         except TypeError as exc:
             raise ValueError(str(exc)) from None
 

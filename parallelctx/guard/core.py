@@ -164,13 +164,15 @@ class Guard:
         store: Any,
         groups: Mapping[ParallelMode, Any] | Iterable[tuple[ParallelMode, Any]],
         where: Callable[[int], str] | None = None,
+        store_wait: timedelta = timedelta(seconds=10),
     ) -> None:
         """Start the hang report of a launch: watch ``groups`` (mode -> a group with ``ranks``,
         ``group`` and ``cpu_group``, as :class:`parallelctx.runtime.groups.ModeGroup`; or pairs
         of them, the groups of every module of ``parallel.modules``) and report
         a call that waited longer than ``after`` to the handlers, reading the peers' progress
-        from ``store``; ``where(rank)`` words a rank's place in a point-to-point report. A
-        report's ``abort()`` aborts this launch only. Returns None."""
+        from ``store`` (a silent store again for up to ``store_wait``); ``where(rank)`` words a
+        rank's place in a point-to-point report. A report's ``abort()`` aborts this launch
+        only. Returns None."""
         watched: dict[int, tuple[Any, list[ParallelMode], bool, tuple[int, ...]]] = {}
         for mode, g in groups.items() if isinstance(groups, Mapping) else groups:
             for group, cpu in ((g.group, False), (g.cpu_group, True)):
@@ -198,6 +200,7 @@ class Guard:
             self._handlers,
             log=log,
             aborter=abort_this_launch,
+            store_wait=store_wait,
             where=where,
         )
         self._watch = watch

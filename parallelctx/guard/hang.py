@@ -590,8 +590,10 @@ class HangWatch:
         log: bool = True,
         aborter: Callable[[], int] | None = None,
         where: Callable[[int], str] | None = None,
+        store_wait: timedelta = timedelta(seconds=10),
     ) -> None:
         self.after = after.total_seconds()
+        self.store_wait = store_wait.total_seconds()  # a report reads a silent store again this long
         self._where = where
         self.tick = min(max(self.after / 4, 0.05), 1.0)
         self.rank = rank
@@ -772,10 +774,10 @@ class HangWatch:
     def _patiently(self, read: Callable[[], _T | None], call: list[Any]) -> tuple[_T | None, bool]:
         """``read()``, and while it gives None because the store did not answer in time (a
         loaded host's store is slow, not gone; a store that refuses is not read again) again
-        each tick for up to ``after`` seconds more; returns (what it read last, whether the
-        watch stopped or ``call`` completed meanwhile: then no report)."""
+        each tick for up to ``store_wait`` seconds more; returns (what it read last, whether
+        the watch stopped or ``call`` completed meanwhile: then no report)."""
         got = read()
-        deadline = time.monotonic() + self.after
+        deadline = time.monotonic() + self.store_wait
         while got is None and self._read_stalled and time.monotonic() < deadline:
             if self._stop.wait(self.tick) or not _pending(call[4]):
                 return None, True

@@ -655,7 +655,7 @@ def arm(guard: Guard, launched: Launched) -> None:
         if launched.plan is not None:  # every module's groups; a rank's place in its modules
             where = launched.plan.where
             groups = [pair for mine in launched.module_groups.values() for pair in mine.items()]
-        guard.watch(hang.after, hang.log, launched.rank, launched.store, groups, where)
+        guard.watch(hang.after, hang.log, launched.rank, launched.store, groups, where, hang.store_wait)
 
 
 def _undo(launched: Launched, maker: GroupMaker | None, guard: Guard) -> None:
