@@ -21,7 +21,9 @@ Imports nothing from parallelctx.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import platform
 import re
 import socket
 import stat
@@ -40,7 +42,20 @@ among the slots (reading a slot costs a ``dup``; a group not found is logged).""
 
 _EPOLL = "anon_inode:[eventpoll]"
 _NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux, where /proc is read
-_TFD = re.compile(r"^tfd:\s*(\d+)\s.*?\sino:([0-9a-f]+)", re.MULTILINE)
+_TFD = re.compile(
+    r"^tfd:\s*(\d+)\s+events:\s*([0-9a-f]+)\s+data:\s*([0-9a-f]+).*?\sino:([0-9a-f]+)", re.MULTILINE
+)
+_EPOLLIN, _EPOLLOUT, _EPOLLONESHOT, _EPOLL_CTL_MOD = 0x001, 0x004, 1 << 30, 3
+# TCP states (tcp_states.h) of a connection that carries nothing more: FIN_WAIT1 and 2,
+# TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING.
+_DEAD_TCP = frozenset({4, 5, 6, 7, 8, 9, 11})
+
+
+class _EpollEvent(ctypes.Structure):
+    """``struct epoll_event``: packed on x86-64 (the kernel's ABI there), natural elsewhere."""
+
+    _pack_ = 1 if platform.machine() in ("x86_64", "AMD64") else 0
+    _fields_ = [("events", ctypes.c_uint32), ("data", ctypes.c_uint64)]
 
 
 def _proc_hex(family: int, address: str) -> str:
@@ -129,6 +144,12 @@ def shut_down_fd(fd: int, inode: int) -> bool:
 
 def _registered(epoll: int) -> list[tuple[int, int]]:
     """(descriptor, inode) of everything registered on the epoll descriptor ``epoll``."""
+    return [(fd, inode) for fd, _, _, inode in _registrations(epoll)]
+
+
+def _registrations(epoll: int) -> list[tuple[int, int, int, int]]:
+    """(descriptor, events, data, inode) of everything registered on the epoll descriptor
+    ``epoll``, as ``/proc/self/fdinfo`` gives them."""
     try:  # os-level reads: a text file object costs more than the read (once per group made)
         info = os.open(f"/proc/self/fdinfo/{epoll}", os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -141,7 +162,31 @@ def _registered(epoll: int) -> list[tuple[int, int]]:
         return []
     finally:
         os.close(info)
-    return [(int(fd), int(ino, 16)) for fd, ino in _TFD.findall(b"".join(chunks).decode())]
+    return [
+        (int(fd), int(events, 16), int(data, 16), int(ino, 16))
+        for fd, events, data, ino in _TFD.findall(b"".join(chunks).decode())
+    ]
+
+
+def _tcp_state(fd: int, inode: int) -> int | None:
+    """The TCP state (tcp_states.h) of the socket at ``fd`` if its inode is still ``inode``;
+    None for another file or a socket that is not TCP. Never raises."""
+    try:
+        with socket_at(fd, inode) as sock:
+            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not is_stream(sock):
+                return None
+            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+    except OSError:
+        return None
+
+
+def _disarm(epoll: int, fd: int, data: int) -> bool:
+    """Leave ``fd``'s registration on ``epoll`` in place but report at most one more event
+    (EPOLLONESHOT and no events asked; the owner's ``data`` kept): the owner's later removal of
+    it still succeeds. Returns whether the kernel took the change."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    event = _EpollEvent(_EPOLLONESHOT, data)
+    return bool(libc.epoll_ctl(epoll, _EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0)
 
 
 def _anonymous_pipe(fd: int) -> bool:
@@ -212,6 +257,39 @@ class GlooLoop:
         """(descriptor, inode) of every connection registered on the loop now (the listener and
         gloo's wake-up pipe left out; :func:`shut_down_fd` skips what is no socket)."""
         return [(fd, ino) for fd, ino in _registered(self.epoll) if ino != self.listener_inode]
+
+    def quiet(self, every: bool = False) -> int:
+        """Stop the loop from waking for connections that are closed (their TCP state past
+        ESTABLISHED, e.g. after :meth:`shut_down`) but still registered; with ``every``, for
+        every connection (a group about to be destroyed).
+
+        A gloo pair whose receive buffer was freed before the peer's data came (a collective
+        that raised, on this connection or another, while a receive was posted) never reads
+        again: its descriptor stays readable, gloo's loop wakes for it at once forever (a core
+        at 100%), and a lazily connected group's destructor, which waits for the loop to go
+        idle before it frees the pairs, never returns. Each such registration is left in place
+        (gloo removes it later as usual) but asks for no event and reports at most one more.
+        Connections still established (unless ``every``), the listener and the wake-up pipe
+        are left alone.
+
+        Returns:
+            The number of registrations quieted. Never raises.
+        """
+        done = 0
+        for fd, events, data, inode in _registrations(self.epoll):
+            # A pair's registration asks for input alone; one that asks for output, or once
+            # (EPOLLONESHOT), is a connect or a handshake under way: gloo finishes it itself.
+            if inode == self.listener_inode or events & (_EPOLLOUT | _EPOLLONESHOT) or not events & _EPOLLIN:
+                continue
+            if not (every or _tcp_state(fd, inode) in _DEAD_TCP):
+                continue
+            # The inode right before the change: a number gloo closed and reused meanwhile
+            # holds another file (and another handler), which is left alone.
+            with contextlib.suppress(OSError):
+                info = os.fstat(fd)
+                if info.st_ino == inode and stat.S_ISSOCK(info.st_mode):  # never the wake-up pipe
+                    done += _disarm(self.epoll, fd, data)
+        return done
 
     def shut_down(self) -> int:
         """Shut down every connection of the group in this process; a collective waiting on one
