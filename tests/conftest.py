@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,31 +41,23 @@ def world_of_one() -> Iterator[Callable[[Any], Any]]:
         gpc.destroy()
 
 
-def _started_ticks(pid: str) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks since boot) of process ``pid``, or None."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return int(fields[1]), int(fields[19])
+_OWNER = "PARALLELCTX_TEST_OWNER"  # set while a multi-process test runs; its processes inherit it
 
 
-def _orphans_since(start: int) -> list[tuple[int, str]]:
-    """Processes of this repository started at or after ``start`` (clock ticks since boot)
-    whose parent is gone (reparented to init): (pid, command line)."""
-    root = str(Path(__file__).resolve().parent.parent)
+def _orphans_of(token: str) -> list[tuple[int, str]]:
+    """Processes whose parent is gone (reparented to init) and whose environment carries
+    ``_OWNER=token``: what one test started and left running. (pid, command line) each."""
+    marker = f"{_OWNER}={token}".encode()
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        got = _started_ticks(pid)
-        if got is None or got[0] != 1 or got[1] < start:
-            continue
         try:
-            if os.readlink(f"/proc/{pid}/cwd") != root:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent != 1 or marker not in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 continue
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            cmd = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split())
+        except (OSError, IndexError, ValueError):
             continue
-        found.append((int(pid), cmd.strip()))
+        found.append((int(pid), cmd))
     return found
 
 
@@ -71,19 +65,30 @@ def _orphans_since(start: int) -> list[tuple[int, str]]:
 def _no_orphaned_ranks(request: pytest.FixtureRequest) -> Iterator[None]:
     """After a multi-process test (slow, faults, launchers), kill the processes it started that
     outlived their launcher (a torchrun killed at a timeout leaves its ranks running): a rank
-    stuck in a busy loop would otherwise take a core from every later test. Each is named on
-    stderr, so a failure's log shows it."""
+    stuck in a busy loop would otherwise take a core from every later test. Only processes that
+    carry this test's own mark in their environment are touched; each is named on the terminal."""
     marked = any(request.node.get_closest_marker(m) for m in ("slow", "faults", "launchers"))
     if not marked or not sys.platform.startswith("linux"):
         yield
         return
-    start = int(float(Path("/proc/uptime").read_text().split()[0]) * os.sysconf("SC_CLK_TCK"))
-    yield
-    for pid, cmd in _orphans_since(start):
-        print(
-            f"\nconftest: killing process {pid} left running by {request.node.nodeid}: {cmd}", file=sys.stderr
-        )
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    token = f"{os.getpid()}-{time.monotonic_ns()}"
+    previous = os.environ.get(_OWNER)
+    os.environ[_OWNER] = token
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(_OWNER, None)
+        else:
+            os.environ[_OWNER] = previous
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        capture = request.config.pluginmanager.get_plugin("capturemanager")
+        for pid, cmd in _orphans_of(token):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            line = f"conftest: killed process {pid} left running by {request.node.nodeid}: {cmd[:200]}"
+            if reporter is None or capture is None:
+                print(line, file=sys.stderr)
+                continue
+            with capture.global_and_fixture_disabled():  # on the terminal, past the test's capture
+                reporter.write_line(line)

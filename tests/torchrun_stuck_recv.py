@@ -4,15 +4,16 @@ Rank 0 posts a receive from rank 1 on gpc's tensor group and leaves it (model co
 raised between ``irecv`` and ``wait``: the request is dropped), then rank 1 sends. gloo's pair on
 rank 0 then has data for a buffer that no longer exists: it never reads again, its connection
 stays readable and gloo's event loop wakes for it without pause (a core at 100%); destroying a
-lazily connected group then waits on that loop forever. parallelctx quiets such connections
-before it destroys its groups, and after ``gpc.abort()``.
+lazily connected group then waits on that loop forever. parallelctx quiets the groups'
+connections before it destroys them.
 
 * ``destroy`` (4 ranks, tensor 2; the user's own gloo default group, adopted): rank 0 calls
   ``gpc.destroy()`` and drops its last reference to the group.
-* ``abort`` (2 ranks): rank 0 calls ``gpc.abort()``, waits past its quieting, then destroys.
+* ``abort`` (2 ranks): rank 0 calls ``gpc.abort()``, then destroys.
 
 Rank 0 writes OUT/rank-0.json: the gloo loop threads' CPU (ticks over 1 s) while stuck, after the
-abort and at the end, and the seconds ``gpc.destroy()`` took (or "hung" past 20 s).
+abort and at the end, and the seconds ``gpc.destroy()`` took (or "hung" past 20 s). Rank 1
+sends only once rank 0 has dropped its receive (a file in OUT says so).
 """
 
 from __future__ import annotations
@@ -62,9 +63,13 @@ def main() -> int:
         dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     parallelctx.launch_from_torch({"parallel": {"tensor": 2}, "dist": {"timeout": 30}})
     group = gpc.get_group(ParallelMode.TENSOR)
+    dist.all_reduce(torch.ones(1), group=group)  # a step before: the pair is connected (lazy groups)
     dist.barrier()
+    dropped = out / "dropped"
     if rank == 1:
-        time.sleep(1.0)  # after rank 0 dropped its receive
+        deadline = time.monotonic() + 60
+        while not dropped.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # until rank 0 dropped its receive
         dist.send(torch.ones(4), dst=0, group=group)
     if rank != 0:
         time.sleep(8.0)  # rank 0 is done before anyone leaves
@@ -74,11 +79,12 @@ def main() -> int:
     time.sleep(0.3)
     del work  # the step raised before its wait(): the receive is dropped
     gc.collect()
-    time.sleep(1.2)  # rank 1's data comes
+    dropped.touch()
+    time.sleep(2.0)  # rank 1's data comes
     record["stuck"] = busy_loops()
     if variant == "abort":
         gpc.abort()
-        time.sleep(3.0)
+        time.sleep(0.5)
         record["after_abort"] = busy_loops()
     holder = [group]
     del group

@@ -27,12 +27,7 @@ from .abort import abort_groups, wake
 from .hang import HangReport, HangWatch
 from .sockets import FdSlots, GlooLoop
 
-__all__ = ["QUIET_AFTER_S", "Guard", "Held"]
-
-QUIET_AFTER_S = 2.0
-"""Seconds after :meth:`Guard.abort` at which the aborted groups' closed connections that
-gloo's loop still wakes for are quieted (:meth:`GlooLoop.quiet`): time enough for every pair to
-read the end of its connection and raise in the collective that waits on it."""
+__all__ = ["Guard", "Held"]
 
 logger = logging.getLogger("parallelctx")
 
@@ -127,8 +122,6 @@ class Guard:
         name (:func:`~parallelctx.guard.abort.wake`: a pair waiting for a peer that never
         connected takes it and raises) and a shutdown of every connection of its loop. A
         collective pending on one of them raises within milliseconds, here and on the peers.
-        :data:`QUIET_AFTER_S` later, a helper thread quiets the closed connections gloo's loop
-        still wakes for (:meth:`GlooLoop.quiet`).
 
         ``timeout`` bounds each wake connection (at most 0.5 s).
 
@@ -148,16 +141,11 @@ class Guard:
             loops = [(h, h.loop) for h in held if h.loop is not None and h.loop.alive()]
             listeners = {(h.rank, h.size, loop.listener) for h, loop in loops}
             wake({at: (rank, size) for rank, size, at in listeners if at is not None}, min(timeout, 0.5))
-            shut = sum(loop.shut_down() for _, loop in loops)
-        if loops:  # a pair stuck on a freed receive buffer: see GlooLoop.quiet
-            later = threading.Timer(QUIET_AFTER_S, self._quiet, [[h for h, _ in loops]])
-            later.daemon = True
-            later.start()
-        return shut
+            return sum(loop.shut_down() for _, loop in loops)
 
     def quiet(self, groups: Iterable[Any] | None = None) -> int:
         """Quiet every connection of ``groups`` held (every held group when None) on its gloo
-        loop (:meth:`GlooLoop.quiet` with ``every``): right before they are destroyed, so that
+        loop (:meth:`GlooLoop.quiet`): right before they are destroyed, so that
         no group's destructor waits forever on its loop.
 
         Returns:
@@ -168,11 +156,8 @@ class Guard:
         if groups is not None:
             ids = {id(g) for g in groups}
             held = [h for h in held if id(h.group) in ids]
-        return self._quiet(held, every=True)
-
-    def _quiet(self, held: list[Held], every: bool = False) -> int:
         with self._lock:
-            return sum(h.loop.quiet(every) for h in held if h.loop is not None and h.loop.alive())
+            return sum(h.loop.quiet() for h in held if h.loop is not None and h.loop.alive())
 
     # ------------------------------------------------------------------ hang report
     def on_hang(self, handler: Callable[[HangReport], Any]) -> Callable[[HangReport], Any]:

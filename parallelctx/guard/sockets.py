@@ -46,9 +46,6 @@ _TFD = re.compile(
     r"^tfd:\s*(\d+)\s+events:\s*([0-9a-f]+)\s+data:\s*([0-9a-f]+).*?\sino:([0-9a-f]+)", re.MULTILINE
 )
 _EPOLLIN, _EPOLLOUT, _EPOLLONESHOT, _EPOLL_CTL_MOD = 0x001, 0x004, 1 << 30, 3
-# TCP states (tcp_states.h) of a connection that carries nothing more: FIN_WAIT1 and 2,
-# TIME_WAIT, CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING.
-_DEAD_TCP = frozenset({4, 5, 6, 7, 8, 9, 11})
 
 
 class _EpollEvent(ctypes.Structure):
@@ -168,18 +165,6 @@ def _registrations(epoll: int) -> list[tuple[int, int, int, int]]:
     ]
 
 
-def _tcp_state(fd: int, inode: int) -> int | None:
-    """The TCP state (tcp_states.h) of the socket at ``fd`` if its inode is still ``inode``;
-    None for another file or a socket that is not TCP. Never raises."""
-    try:
-        with socket_at(fd, inode) as sock:
-            if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6) or not is_stream(sock):
-                return None
-            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
-    except OSError:
-        return None
-
-
 def _disarm(epoll: int, fd: int, data: int) -> bool:
     """Leave ``fd``'s registration on ``epoll`` in place but report at most one more event
     (EPOLLONESHOT and no events asked; the owner's ``data`` kept): the owner's later removal of
@@ -258,19 +243,18 @@ class GlooLoop:
         gloo's wake-up pipe left out; :func:`shut_down_fd` skips what is no socket)."""
         return [(fd, ino) for fd, ino in _registered(self.epoll) if ino != self.listener_inode]
 
-    def quiet(self, every: bool = False) -> int:
-        """Stop the loop from waking for connections that are closed (their TCP state past
-        ESTABLISHED, e.g. after :meth:`shut_down`) but still registered; with ``every``, for
-        every connection (a group about to be destroyed).
+    def quiet(self) -> int:
+        """Stop the loop from waking for the group's connections: right before the group is
+        destroyed.
 
         A gloo pair whose receive buffer was freed before the peer's data came (a collective
-        that raised, on this connection or another, while a receive was posted) never reads
-        again: its descriptor stays readable, gloo's loop wakes for it at once forever (a core
-        at 100%), and a lazily connected group's destructor, which waits for the loop to go
-        idle before it frees the pairs, never returns. Each such registration is left in place
-        (gloo removes it later as usual) but asks for no event and reports at most one more.
-        Connections still established (unless ``every``), the listener and the wake-up pipe
-        are left alone.
+        that raised, on this connection or another, while a receive was posted; a dropped
+        ``irecv`` request) never reads again: its descriptor stays readable, gloo's loop wakes
+        for it at once forever (a core at 100%), and a lazily connected group's destructor,
+        which waits for the loop to go idle before it frees the pairs, never returns. Each
+        pair's registration is left in place (gloo removes it later as usual) but asks for no
+        event and reports at most one more. The listener, the wake-up pipe and registrations of
+        a connect or handshake under way (output, or one-shot) are left alone.
 
         Returns:
             The number of registrations quieted. Never raises.
@@ -280,8 +264,6 @@ class GlooLoop:
             # A pair's registration asks for input alone; one that asks for output, or once
             # (EPOLLONESHOT), is a connect or a handshake under way: gloo finishes it itself.
             if inode == self.listener_inode or events & (_EPOLLOUT | _EPOLLONESHOT) or not events & _EPOLLIN:
-                continue
-            if not (every or _tcp_state(fd, inode) in _DEAD_TCP):
                 continue
             # The inode right before the change: a number gloo closed and reused meanwhile
             # holds another file (and another handler), which is left alone.
