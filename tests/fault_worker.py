@@ -10,13 +10,16 @@ error's type and message, and the seconds from the call to its end. The launch k
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 import time
 
 
 def main() -> int:
     """Run one rank; return 0 when the launch and the all-reduce worked, else 1."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits too long asks where
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     config = json.loads(sys.argv[4])
     kwargs = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}

@@ -239,7 +239,14 @@ def test_a_signal_during_the_rendezvous_stops_within_two_seconds(sig: signal.Sig
     time.sleep(3.0)  # in the rendezvous, waiting for rank 1
     sent = time.monotonic()
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack on its stderr (fault_worker.py)
+        time.sleep(1.0)
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"rank 0 still ran 30 s after {sig.name}; its threads:\n{err[-6000:]}") from None
     took = time.monotonic() - sent
     assert took < 2.0, took
     if sig == signal.SIGINT:
