@@ -472,9 +472,9 @@ class HangReportConfig(BaseModel):
 
     ``after`` takes seconds (int or float) or a :class:`datetime.timedelta`, in the range of
     ``dist.timeout``; keep ``after + 2 * store_wait`` below ``dist.timeout``, or torch may
-    raise first (a report's two reads may each wait up to ``store_wait`` for a slow store). ``store_wait`` (same forms,
-    default 10 s) is how long a report whose read of the other ranks' progress timed out reads
-    again before it is made without that progress. ``log``
+    raise first (a report's two reads may each wait up to ``store_wait`` for a slow store).
+    ``store_wait`` (same forms, default 10 s) is how long a report whose read of the other
+    ranks' progress timed out reads again before it is made without that progress. ``log``
     (default True) logs each report as a warning on the ``parallelctx`` logger; the handlers of
     ``gpc.on_hang`` are called either way. See ``docs/reliability.md``.
     """

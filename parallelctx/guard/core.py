@@ -95,13 +95,16 @@ class Guard:
         return held
 
     def release(self, groups: Iterable[Any] | None = None) -> None:
-        """Stop holding ``groups`` (every group when None), once they are destroyed; returns None."""
+        """Stop holding ``groups`` (every group when None) right before they are destroyed,
+        first quieting every pair registration on their gloo loops (:meth:`GlooLoop.quiet`), so
+        that no group's destructor waits forever on its loop; returns None."""
         with self._lock:
-            if groups is None:
-                self._held.clear()
-            else:
-                for group in groups:
-                    self._held.pop(id(group), None)
+            ids = None if groups is None else {id(g) for g in groups}
+            gone = [h for key, h in self._held.items() if ids is None or key in ids]
+            for held in gone:
+                if held.loop is not None and held.loop.alive():
+                    held.loop.quiet()
+                del self._held[id(held.group)]
 
     def held(self) -> list[Held]:
         """Return what is held now, in the order the groups were made."""
@@ -142,22 +145,6 @@ class Guard:
             listeners = {(h.rank, h.size, loop.listener) for h, loop in loops}
             wake({at: (rank, size) for rank, size, at in listeners if at is not None}, min(timeout, 0.5))
             return sum(loop.shut_down() for _, loop in loops)
-
-    def quiet(self, groups: Iterable[Any] | None = None) -> int:
-        """Quiet every connection of ``groups`` held (every held group when None) on its gloo
-        loop (:meth:`GlooLoop.quiet`): right before they are destroyed, so that
-        no group's destructor waits forever on its loop.
-
-        Returns:
-            The number of registrations quieted. Never raises.
-        """
-        with self._lock:
-            held = list(self._held.values())
-        if groups is not None:
-            ids = {id(g) for g in groups}
-            held = [h for h in held if id(h.group) in ids]
-        with self._lock:
-            return sum(h.loop.quiet() for h in held if h.loop is not None and h.loop.alive())
 
     # ------------------------------------------------------------------ hang report
     def on_hang(self, handler: Callable[[HangReport], Any]) -> Callable[[HangReport], Any]:

@@ -453,7 +453,6 @@ def tear_down(owns_default: bool, groups: Iterable[Any], guard: Guard) -> None:
     each of ``groups`` once, never the adopted default group; the guard stops holding them.
     Returns None."""
     groups = [g for g in groups if g is not None]
-    guard.quiet(None if owns_default else groups)  # no destructor may wait on a stuck gloo loop
     guard.release(None if owns_default else groups)
     if not dist.is_initialized():
         return
