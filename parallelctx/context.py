@@ -61,18 +61,16 @@ class ParallelContext(ModeViews, LaunchQueries):
         self._meetings = Meetings(self._guard.aborted)
         self._dry_run: DryRun | None = None
         self._modules: dict[str, ModuleContext] = {}
+        self._answer()
         self._reset()
 
     # ------------------------------------------------------------------ state
-    def _reset(self) -> None:
-        self._answers = Answers()
-        # Hot path: the four queries are closures over their tables, stored on the instance.
-        for fast in self._answers.queries:
-            documented = getattr(ParallelContext, fast.__name__)
-            for attr in ("__doc__", "__qualname__", "__module__"):
-                setattr(fast, attr, getattr(documented, attr))
-            setattr(self, fast.__name__, fast)
+    def _answer(self) -> None:
+        self._answers = Answers()  # once per context: a launch refills it (Answers.bind)
+        self._answers.bind(self, ParallelContext)
         self._groups, self._cpu_groups = self._answers.groups, self._answers.cpu_groups
+
+    def _reset(self) -> None:
         self._destroy_hooks: list[Callable[[], None]] = []
         self._reform_hooks: list[Callable[[], None]] = []
         self._adopt(Launched())
@@ -423,6 +421,7 @@ class ModuleContext(ParallelContext):
     def __init__(self, parent: ParallelContext, name: str) -> None:
         self._guard, self._meetings, self._dry_run, self._modules = parent._guard, parent._meetings, None, {}
         self._parent, self.name = parent, name
+        self._answer()
         self._reset()
 
     def __repr__(self) -> str:

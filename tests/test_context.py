@@ -240,3 +240,25 @@ def test_gloo_lazy_init_is_scoped(launched) -> None:
 
     assert gpc.config.dist.gloo_lazy_init is True
     assert "TORCH_GLOO_LAZY_INIT" not in os.environ, "the variable is set only while groups are made"
+
+
+def test_a_query_captured_by_model_code_answers_for_the_launch_of_the_moment() -> None:
+    # Model code that keeps gpc's queries (`get_group = gpc.get_group`) got the destroyed
+    # launch's groups after a relaunch: destroy() gave gpc new tables, not the captured ones.
+    get_group, get_world_size = gpc.get_group, gpc.get_world_size
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    first = get_group(ParallelMode.TENSOR)
+    assert first is gpc.get_group(ParallelMode.TENSOR)
+    gpc.destroy()
+    with pytest.raises(NotLaunchedError):
+        get_group(ParallelMode.TENSOR)
+    with pytest.raises(NotLaunchedError):
+        get_world_size("data")
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    try:
+        assert get_group(ParallelMode.TENSOR) is gpc.get_group(ParallelMode.TENSOR) is not first
+        t = torch.ones(1)
+        dist.all_reduce(t, group=get_group("tensor"))
+        assert t.item() == 1.0 and get_world_size("data") == 1
+    finally:
+        gpc.destroy()

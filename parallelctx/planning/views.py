@@ -299,6 +299,18 @@ class Answers:
             get_cpu_group,
         )
 
+    def bind(self, target: Any, documented: type) -> None:
+        """Set :attr:`queries` on ``target`` under their names, with the docstrings, qualified
+        names and module of ``documented``'s methods of those names; returns None. Bound once per
+        context: every launch refills the same tables, so a query captured in model code
+        (``get_group = gpc.get_group``) answers for the launch of the moment, never for a
+        destroyed one (whose groups it would also keep alive)."""
+        for fast in self.queries:
+            method = getattr(documented, fast.__name__)
+            for attr in ("__doc__", "__qualname__", "__module__"):
+                setattr(fast, attr, getattr(method, attr))
+            setattr(target, fast.__name__, fast)
+
     def fill(
         self, rank: int, world_size: int, groups: Mapping[ParallelMode, Any], layout: Layout | None
     ) -> None:
