@@ -190,3 +190,44 @@ def seed_table_worker(out_dir: str, layouts: dict[str, dict[str, Any]]) -> None:
 def launches_again() -> None:
     """A main_func written as for torchrun: it launches gpc itself, inside spawn's worker."""
     parallelctx.launch_from_env({"parallel": {"tensor": 1}}, backend="gloo")
+
+
+def groups_left_alive(index: int, world: int, init_method: str, out_dir: str, adopt: bool) -> None:
+    """Worker for torch.multiprocessing: model code on gpc's groups (tensor 2), then
+    ``gpc.destroy()`` (and, when the user made the default group, the user's own
+    ``destroy_process_group()``); records which of the groups the model code used are still
+    alive once the program holds none of them. A group kept alive into the interpreter's exit
+    runs its worker threads there: a work they free then needs the GIL, and the rank dies of
+    ``terminate called without an active exception``."""
+    import gc
+    import weakref
+
+    if adopt:
+        dist.init_process_group("gloo", init_method=init_method, rank=index, world_size=world)
+        parallelctx.launch({"parallel": {"tensor": 2}, "dist": {"timeout": 60}}, rank=index, world_size=world)
+    else:
+        parallelctx.launch(
+            {"parallel": {"tensor": 2}, "dist": {"timeout": 60, "init_method": init_method}},
+            rank=index,
+            world_size=world,
+        )
+    for mode in (ParallelMode.TENSOR, ParallelMode.DATA):  # the model code's own collectives
+        t = torch.ones(1)
+        dist.all_reduce(t, group=gpc.get_group(mode))
+    used: dict[str, weakref.ref[Any]] = {}
+    for mode in ParallelMode:
+        for kind, get in (("", gpc.get_group), ("cpu ", gpc.get_cpu_group)):
+            try:
+                group = get(mode)
+            except Exception:  # a mode this layout does not have
+                continue
+            if group is not None:
+                used[f"{kind}{mode.value}"] = weakref.ref(group)
+    group = t = None
+    dist.barrier()
+    gpc.destroy()
+    if adopt:
+        dist.destroy_process_group()
+    gc.collect()
+    alive = sorted(name for name, ref in used.items() if ref() is not None)
+    Path(out_dir, f"rank{index}.json").write_text(json.dumps({"used": sorted(used), "alive": alive}))

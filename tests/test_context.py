@@ -242,6 +242,35 @@ def test_gloo_lazy_init_is_scoped(launched) -> None:
     assert "TORCH_GLOO_LAZY_INIT" not in os.environ, "the variable is set only while groups are made"
 
 
+@pytest.mark.parametrize("adopt", [True, False], ids=["adopted", "owned"])
+def test_no_group_outlives_destroy(tmp_path, adopt: bool) -> None:
+    # gpc kept the adopted default group alive after destroy() (Meetings held it to know which
+    # group names were used on it): its worker threads ran into the interpreter's exit, and 1 in
+    # 10 Fabric/Accelerate runs died there of "terminate called without an active exception".
+    import json
+
+    import torch.multiprocessing as mp
+    from mp_workers import groups_left_alive
+
+    from parallelctx.launch import free_port
+
+    init = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.start_processes(
+        groups_left_alive, args=(4, init, str(tmp_path), adopt), nprocs=4, join=False, start_method="spawn"
+    )
+    try:
+        while not ctx.join(timeout=120):
+            pass
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    for rank in range(4):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert {"global", "tensor", "data", "cpu tensor"} <= set(result["used"])
+        assert result["alive"] == [], f"rank {rank}: groups alive after destroy: {result['alive']}"
+
+
 def test_a_query_captured_by_model_code_answers_for_the_launch_of_the_moment() -> None:
     # Model code that keeps gpc's queries (`get_group = gpc.get_group`) got the destroyed
     # launch's groups after a relaunch: destroy() gave gpc new tables, not the captured ones.

@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -69,7 +70,9 @@ class Meetings:
     def __init__(self, aborted: threading.Event) -> None:
         self.aborted = aborted
         self._stores: dict[tuple[str, int, int], Any] = {}
-        self._adopted: tuple[Any, set[tuple[Any, int]]] = (None, set())
+        # A weak reference: a default group the user destroyed must be freed (its worker threads
+        # joined) before the interpreter exits, not kept alive here into finalization.
+        self._adopted: tuple[weakref.ref[Any] | None, set[tuple[Any, int]]] = (None, set())
         self._kv: Any = None  # this launch's AbortableStore (torch does not keep it alive)
         self._plain: dict[int, Any] = {}  # id(abortable prefix store) -> the same keys, plain
         self._refusal: threading.Thread | None = None
@@ -370,8 +373,9 @@ class Meetings:
     def adopted_names(self) -> set[tuple[Any, int]]:
         """Return the set of group names already used on the current adopted default group
         (a new, empty set when the default group changed)."""
-        if self._adopted[0] is not dist.group.WORLD:
-            self._adopted = (dist.group.WORLD, set())
+        known, world = self._adopted[0], dist.group.WORLD
+        if world is None or known is None or known() is not world:
+            self._adopted = (None if world is None else weakref.ref(world), set())
         return self._adopted[1]
 
 
