@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,15 @@ def test_hang_report_is_off_by_default_and_checked() -> None:
     ).dist.hang_report.store_wait == (timedelta(seconds=2.5))
     with pytest.raises(ValueError, match="dist.hang_report.store_wait=-1 must be positive"):
         load_config({"dist": {"hang_report": {"after": 30, "store_wait": -1}}})
+
+
+def test_a_report_that_may_come_after_torchs_timeout_is_warned_of() -> None:
+    with pytest.warns(UserWarning, match=r"after=10 s \+ 2 x store_wait=10 s is not below dist.timeout=25 s"):
+        load_config({"dist": {"timeout": 25, "hang_report": {"after": 10}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({"dist": {"timeout": 31, "hang_report": {"after": 10}}})
+        load_config({"dist": {"timeout": 5, "hang_report": {"after": 1, "store_wait": 1.5}}})
 
 
 def test_on_hang_refuses_what_it_cannot_call() -> None:

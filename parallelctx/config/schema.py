@@ -5,6 +5,7 @@ the whole validated config, with :func:`load_config`.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -542,6 +543,21 @@ class DistConfig(BaseModel):
     @classmethod
     def _valid_url(cls, value: str | None) -> str | None:
         return None if value is None else validate_init_method(value)
+
+    @model_validator(mode="after")
+    def _report_before_timeout(self) -> DistConfig:
+        """Warn (UserWarning) where a hang report may come after torch's own timeout."""
+        report = self.hang_report
+        if report is not None and report.after + 2 * report.store_wait >= self.timeout:
+            secs = [f"{t.total_seconds():g} s" for t in (report.after, report.store_wait, self.timeout)]
+            warnings.warn(
+                f"dist.hang_report.after={secs[0]} + 2 x store_wait={secs[1]} is not below "
+                f"dist.timeout={secs[2]}: a report that waits on a slow store may come after torch "
+                "has already raised; raise dist.timeout, or lower after or store_wait",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self
 
 
 class _Owned(BaseModel):
