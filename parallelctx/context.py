@@ -80,6 +80,8 @@ class ParallelContext(ModeViews, LaunchQueries):
         contexts' states, :meth:`module`)."""
         self._launched = value
         self._layout, self._timeout = value.layout, value.timeout
+        if value.rank < 0:  # destroyed: the views handed out raise from now on
+            self._answers.retire()
         self._answers.fill(value.rank, value.world_size, value.groups, value.layout)
         for mode, name in VIEW_NAMES.items():
             setattr(self, name, self._answers.views.get(mode) or Unlaunched(name))
@@ -316,13 +318,13 @@ class ParallelContext(ModeViews, LaunchQueries):
             except BaseException as exc:  # every hook runs, and the teardown still happens
                 logger.exception("parallelctx: destroy hook %r failed", hook)
                 failed = failed or exc
-        self._destroy_hooks = []
         self._guard.unwatch()
         with self._guard.serial():
+            launched = self._launched
             try:
-                startup.end(self._launched, self._guard)
+                self._reset()  # the queries and views stop answering before any group goes
             finally:
-                self._reset()
+                startup.end(launched, self._guard)
         if failed is not None:
             raise failed
 

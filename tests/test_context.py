@@ -291,3 +291,55 @@ def test_a_query_captured_by_model_code_answers_for_the_launch_of_the_moment() -
         assert t.item() == 1.0 and get_world_size("data") == 1
     finally:
         gpc.destroy()
+
+
+def test_a_view_kept_past_destroy_raises_and_holds_no_group() -> None:
+    # `tp = gpc.tensor` kept by a layer answered with the destroyed launch's size and group after
+    # a relaunch (silently: the new launch may have another tensor size) and kept the group alive.
+    import gc
+    import weakref
+
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    tp = gpc.tensor
+    group = weakref.ref(tp.group)
+    assert tp.size == 1 and tp.is_first
+    gpc.destroy()
+    gc.collect()
+    assert group() is None, "a kept view holds no group"
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    try:
+        for field in ("size", "rank", "ranks", "group", "cpu_group", "is_first", "next_rank"):
+            with pytest.raises(NotLaunchedError, match=r"gpc.tensor kept from a launch destroyed since"):
+                getattr(tp, field)
+        assert gpc.tensor.size == 1 and gpc.tensor.group is gpc.get_group("tensor")
+        assert "destroyed" in repr(tp)
+    finally:
+        gpc.destroy()
+
+
+def test_no_query_answers_while_the_groups_are_torn_down(monkeypatch) -> None:
+    # A thread that asks gpc for a group while destroy() runs gets NotLaunchedError, not a group
+    # already torn down: the tables are emptied before the teardown starts.
+    from parallelctx.runtime import startup
+
+    seen: list[str] = []
+    real_end = startup.end
+
+    def end(launched, guard) -> None:
+        for query in (
+            lambda: gpc.get_group("tensor"),
+            lambda: gpc.tensor.size,
+            lambda: gpc.get_global_rank(),
+        ):
+            try:
+                query()
+                seen.append("answered")
+            except NotLaunchedError:
+                seen.append("not launched")
+        real_end(launched, guard)
+
+    monkeypatch.setattr(startup, "end", end)
+    parallelctx.launch({"parallel": {"tensor": 1}})
+    gpc.destroy()
+    assert seen == ["not launched"] * 3
+    assert not dist.is_initialized()

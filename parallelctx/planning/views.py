@@ -174,6 +174,41 @@ class ModeView:
         return self.rank == self.size - 1
 
 
+class _Retired(ModeView):
+    """A :class:`ModeView` of a launch destroyed since (:meth:`Answers.retire`): every field
+    raises instead of answering for a world that is gone, and it holds no group."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<a gpc view of a launch destroyed since>"
+
+
+def _gone(field: str) -> property:
+    def read(view: ModeView) -> Any:
+        name = VIEW_NAMES[view.mode]  # the mode stays readable
+        raise NotLaunchedError(
+            f"{field} of a gpc.{name} kept from a launch destroyed since (gpc.destroy(), reform); "
+            f"read gpc.{name} again after the next launch instead of keeping the view"
+        )
+
+    return property(read)
+
+
+for _field in (
+    "rank",
+    "size",
+    "ranks",
+    "group",
+    "cpu_group",
+    "next_rank",
+    "prev_rank",
+    "is_first",
+    "is_last",
+):
+    setattr(_Retired, _field, _gone(_field))
+
+
 class ModeTable(dict[Any, Any]):
     """A per-mode answer table keyed by :class:`ParallelMode` (a member's plain name finds it:
     equal hashes). A miss resolves an alias or another spelling (``"tp"``, ``"TENSOR"``) to its
@@ -310,6 +345,16 @@ class Answers:
             for attr in ("__doc__", "__qualname__", "__module__"):
                 setattr(fast, attr, getattr(method, attr))
             setattr(target, fast.__name__, fast)
+
+    def retire(self) -> None:
+        """Make every view handed out so far raise on use and let go of its groups (the launch
+        they describe is being destroyed): a view model code kept (``tp = gpc.tensor``) never
+        answers for a launch that is gone. Returns None."""
+        for view in self.views.values():
+            for field in ("group", "cpu_group"):
+                object.__setattr__(view, field, None)
+            object.__setattr__(view, "__class__", _Retired)
+        self.views.clear()
 
     def fill(
         self, rank: int, world_size: int, groups: Mapping[ParallelMode, Any], layout: Layout | None
