@@ -82,11 +82,11 @@ class ParallelContext(ModeViews, LaunchQueries):
         self._layout, self._timeout = value.layout, value.timeout
         if value.rank < 0:  # destroyed: the views handed out raise from now on
             self._answers.retire()
-        self._answers.fill(value.rank, value.world_size, value.groups, value.layout)
+        self._answers.fill(value.rank, value.world_size, value.groups, value.layout, value.absent)
         for mode, name in VIEW_NAMES.items():
             setattr(self, name, self._answers.views.get(mode) or Unlaunched(name))
-        for module_name, ctx in getattr(self, "_modules", {}).items():
-            ctx._adopt(value.for_module(module_name) if module_name in value.modules else Launched())
+        for name, ctx in getattr(self, "_modules", {}).items():
+            ctx._adopt(value.for_module(name) if name in value.modules else value.outside(name))
 
     # ------------------------------------------------------------------ modules
     @property

@@ -284,6 +284,39 @@ def test_module_contexts_follow_gpcs_launches(tmp_path: Path) -> None:
     assert gpc.get_global_rank() == rank
 
 
+@pytest.mark.parallel(world_size=WORLD, modules=DISJOINT)
+def test_a_kept_module_context_says_when_a_relaunch_left_the_rank_out(tmp_path: Path) -> None:
+    # A relaunch that moves vision to ranks 6-7: a query kept from gpc.module("vision") on ranks
+    # 0-1 said "not available yet: call parallelctx.launch..." though gpc was launched.
+    rank = gpc.get_global_rank()
+    config = gpc.config
+    vision = gpc.module("vision") if "vision" in gpc.modules else None
+    world_size = vision.get_world_size if vision is not None else None
+    moved = dict(language=dict(ranks=6, tensor=2, pipeline=3), vision=dict(ranks=2))
+    gpc.destroy()
+    try:
+        parallelctx.launch(
+            {**config.to_dict(), "parallel": {"modules": moved}},
+            rank=rank,
+            world_size=WORLD,
+            local_rank=rank,
+            init_method=f"file://{tmp_path}/moved",
+        )
+        if world_size is not None:
+            with pytest.raises(
+                LayoutError,
+                match=r"get_world_size\(\): global rank [01] is not in module 'vision' \(ranks 6-7\)",
+            ):
+                world_size("data")
+    finally:
+        gpc.destroy()
+        parallelctx.launch(
+            config, rank=rank, world_size=WORLD, local_rank=rank, init_method=f"file://{tmp_path}/back"
+        )
+    if world_size is not None:
+        assert world_size("data") == gpc.module("vision").get_world_size("data") == 2
+
+
 @pytest.mark.parallel(
     world_size=WORLD,
     modules=dict(vision=dict(ranks=4, data=dict(replicate=2)), language=dict(ranks=4, tensor=2)),

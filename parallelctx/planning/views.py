@@ -280,8 +280,11 @@ class _Why:
         self.views: dict[ParallelMode, ModeView] = {}
         self.rank = -1
         self.layout: Layout | None = None
+        self.absent: str | None = None
 
     def __call__(self, mode: Any, what: str) -> Exception:
+        if self.absent is not None:
+            return LayoutError(f"{what}: {self.absent}")
         if not self.views and self.layout is None:
             return not_launched(what)
         parsed = ParallelMode.parse(mode)  # raises for an unknown mode
@@ -357,14 +360,20 @@ class Answers:
         self.views.clear()
 
     def fill(
-        self, rank: int, world_size: int, groups: Mapping[ParallelMode, Any], layout: Layout | None
+        self,
+        rank: int,
+        world_size: int,
+        groups: Mapping[ParallelMode, Any],
+        layout: Layout | None,
+        absent: str | None = None,
     ) -> None:
         """Answer from ``groups`` (mode -> an object with ``ranks``, ``group``, ``cpu_group``)
         for global ``rank`` of ``world_size`` (-1, 0: not launched) under ``layout``, replacing
-        every earlier answer; returns None."""
+        every earlier answer; returns None. ``absent``: why a launched rank has no answers here
+        (a module of the job it is not in), raised as a LayoutError by every query."""
         for table in (self.local_ranks, self.world_sizes, self.groups, self.cpu_groups, self.views):
             table.clear()
-        self._why.rank, self._why.layout = rank, layout
+        self._why.rank, self._why.layout, self._why.absent = rank, layout, absent
         if rank >= 0:
             self.local_ranks[ParallelMode.GLOBAL] = rank
             self.world_sizes[ParallelMode.GLOBAL] = world_size

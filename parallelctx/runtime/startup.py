@@ -119,6 +119,7 @@ class Launched:
     module: str | None = None
     module_groups: Mapping[str, Mapping[ParallelMode, ModeGroup]] = field(default_factory=dict)
     world_group: ModeGroup | None = None  # the job's world and its CPU twin (with modules)
+    absent: str | None = None  # why a launched rank has no part here (outside, below)
     kept: tuple[Any, ...] = ()  # groups no mode answers with, destroyed with the launch
     meshes: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -270,6 +271,17 @@ class Launched:
         if name == self.module:
             return self
         return self.replace(layout=layout, groups=self.module_groups[name], module=name)
+
+    def outside(self, name: str) -> Launched:
+        """Return the value a context of module ``name`` adopts where this rank has no part in
+        it: not launched, and where this value is launched, carrying why (the
+        :meth:`for_module` error, raised by every query of that context)."""
+        if self.rank >= 0:
+            try:
+                self.for_module(name)
+            except LayoutError as exc:
+                return Launched(absent=str(exc))
+        return Launched()
 
     def stream_key(self, stream: Any) -> Any:
         """Return the key of ``stream`` (a mode or ``"replica"``) in :attr:`streams` for the
