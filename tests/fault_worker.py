@@ -20,6 +20,9 @@ import time
 def main() -> int:
     """Run one rank; return 0 when the launch and the all-reduce worked, else 1."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits too long asks where
+    # Ctrl-C as a terminal delivers it: a test runner started as a background job (bash `&`,
+    # nohup) hands its children SIGINT ignored, and Python then installs no handler for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     config = json.loads(sys.argv[4])
     kwargs = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
