@@ -80,8 +80,6 @@ class ParallelContext(ModeViews, LaunchQueries):
         contexts' states, :meth:`module`)."""
         self._launched = value
         self._layout, self._timeout = value.layout, value.timeout
-        if value.rank < 0:  # destroyed: the views handed out raise from now on
-            self._answers.retire()
         self._answers.fill(value.rank, value.world_size, value.groups, value.layout, value.absent)
         for mode, name in VIEW_NAMES.items():
             setattr(self, name, self._answers.views.get(mode) or Unlaunched(name))

@@ -343,3 +343,47 @@ def test_no_query_answers_while_the_groups_are_torn_down(monkeypatch) -> None:
     gpc.destroy()
     assert seen == ["not launched"] * 3
     assert not dist.is_initialized()
+
+
+def test_a_view_kept_across_launch_steps_stays_the_same_and_is_retired_at_destroy() -> None:
+    # set_seed (and every later step) made new views: a view kept from before it was never
+    # retired and answered, with the destroyed launch's group, after destroy() (skeptic-35).
+    parallelctx.launch({"parallel": {"tensor": 1}}, seed=1)
+    tp, world = gpc.tensor, gpc.world
+    gpc.set_seed(5)
+    gpc.detect_num_processes_on_current_node()
+    assert gpc.tensor is tp and gpc.world is world and tp.size == 1
+    gpc.destroy()
+    for view in (tp, world):
+        with pytest.raises(NotLaunchedError, match="kept from a launch destroyed since"):
+            view.group
+
+
+def test_queries_answer_throughout_a_reseed_in_another_thread() -> None:
+    # Each step refilled the tables by emptying them first: a query from another thread during
+    # a set_seed() raised NotLaunchedError on a launched rank (about 1 in 6,000, skeptic-35).
+    import threading
+
+    parallelctx.launch({"parallel": {"tensor": 1}}, seed=1)
+    failures: list[BaseException] = []
+    done = threading.Event()
+
+    def ask() -> None:
+        while not done.is_set():
+            try:
+                assert gpc.get_world_size("tp") == 1 and gpc.get_group("tp") is not None
+                assert gpc.tensor.size == 1
+            except BaseException as exc:
+                failures.append(exc)
+                return
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        for seed in range(3000):
+            gpc.set_seed(seed)
+    finally:
+        done.set()
+        thread.join()
+        gpc.destroy()
+    assert not failures, failures[0]

@@ -175,7 +175,7 @@ class ModeView:
 
 
 class _Retired(ModeView):
-    """A :class:`ModeView` of a launch destroyed since (:meth:`Answers.retire`): every field
+    """A :class:`ModeView` that no longer says what is (:meth:`Answers.fill`): every field
     raises instead of answering for a world that is gone, and it holds no group."""
 
     __slots__ = ()
@@ -207,6 +207,14 @@ for _field in (
     "is_last",
 ):
     setattr(_Retired, _field, _gone(_field))
+
+
+def _retire(view: ModeView) -> None:
+    """Make ``view`` a :class:`_Retired` (every field raises from now on), then let go of its
+    groups (the slots under the properties that raise)."""
+    object.__setattr__(view, "__class__", _Retired)
+    for field in ("group", "cpu_group"):
+        ModeView.__dict__[field].__set__(view, None)
 
 
 class ModeTable(dict[Any, Any]):
@@ -349,16 +357,6 @@ class Answers:
                 setattr(fast, attr, getattr(method, attr))
             setattr(target, fast.__name__, fast)
 
-    def retire(self) -> None:
-        """Make every view handed out so far raise on use and let go of its groups (the launch
-        they describe is being destroyed): a view model code kept (``tp = gpc.tensor``) never
-        answers for a launch that is gone. Returns None."""
-        for view in self.views.values():
-            for field in ("group", "cpu_group"):
-                object.__setattr__(view, field, None)
-            object.__setattr__(view, "__class__", _Retired)
-        self.views.clear()
-
     def fill(
         self,
         rank: int,
@@ -369,21 +367,33 @@ class Answers:
     ) -> None:
         """Answer from ``groups`` (mode -> an object with ``ranks``, ``group``, ``cpu_group``)
         for global ``rank`` of ``world_size`` (-1, 0: not launched) under ``layout``, replacing
-        every earlier answer; returns None. ``absent``: why a launched rank has no answers here
-        (a module of the job it is not in), raised as a LayoutError by every query."""
-        for table in (self.local_ranks, self.world_sizes, self.groups, self.cpu_groups, self.views):
-            table.clear()
-        self._why.rank, self._why.layout, self._why.absent = rank, layout, absent
+        every earlier answer in place: a query from another thread meanwhile finds the old answer
+        or the new one, never none. A view handed out before is kept while it says the same (a
+        step such as ``set_seed`` changes no group); one that no longer does (destroy, a
+        relaunch) is retired: it raises on use and holds no group, so a view model code kept
+        (``tp = gpc.tensor``) never answers for a launch that is gone. ``absent``: why a
+        launched rank has no answers here (a module of the job it is not in), raised as a
+        LayoutError by every query. Returns None."""
+        new: tuple[dict[Any, Any], ...] = ({}, {}, {}, {}, {})
+        local_ranks, world_sizes, by_mode, cpu_by_mode, views = new
         if rank >= 0:
-            self.local_ranks[ParallelMode.GLOBAL] = rank
-            self.world_sizes[ParallelMode.GLOBAL] = world_size
+            local_ranks[ParallelMode.GLOBAL] = rank
+            world_sizes[ParallelMode.GLOBAL] = world_size
         for mode, g in groups.items():
             view = ModeView.of(mode, rank, g.ranks, g.group, g.cpu_group)
-            self.views[mode] = view
-            self.local_ranks[mode] = view.rank
-            self.world_sizes[mode] = view.size
-            self.groups[mode] = g.group
-            self.cpu_groups[mode] = g.cpu_group
+            kept = self.views.get(mode)
+            views[mode] = kept if kept is not None and kept == view else view
+            local_ranks[mode], world_sizes[mode] = view.rank, view.size
+            by_mode[mode], cpu_by_mode[mode] = g.group, g.cpu_group
+        gone = [view for mode, view in self.views.items() if views.get(mode) is not view]
+        self._why.rank, self._why.layout, self._why.absent = rank, layout, absent
+        tables = (self.local_ranks, self.world_sizes, self.groups, self.cpu_groups, self.views)
+        for table, entries in zip(tables, new, strict=True):
+            table.update(entries)
+            for key in [key for key in table if key not in entries]:
+                del table[key]
+        for view in gone:
+            _retire(view)
 
     def miss(self, mode: Any, what: str) -> Exception:
         """Return the error for asking ``what`` of ``mode`` where there is no answer: not
