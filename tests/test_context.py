@@ -206,17 +206,18 @@ def test_resolve_backend() -> None:
             resolve_backend("nccl")
 
 
-def test_relaunch_on_an_adopted_default_group_is_refused_clearly(tmp_path) -> None:
-    # torch would give the re-made groups the names of the destroyed ones (stale rendezvous
-    # keys, a hang until the timeout); parallelctx refuses with a message instead.
+def _four_ranks(worker: Any, tmp_path: Any, *args: Any) -> list[dict[str, Any]]:
+    """Run ``worker(index, 4, init_method, out_dir, *args)`` on 4 spawned ranks; return each
+    rank's ``rank<i>.json`` record."""
+    import json
+
     import torch.multiprocessing as mp
-    from mp_workers import adopted_relaunch
 
     from parallelctx.launch import free_port
 
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.start_processes(
-        adopted_relaunch, args=(4, init, str(tmp_path)), nprocs=4, join=False, start_method="spawn"
+        worker, args=(4, init, str(tmp_path), *args), nprocs=4, join=False, start_method="spawn"
     )
     try:
         while not ctx.join(timeout=120):
@@ -225,10 +226,15 @@ def test_relaunch_on_an_adopted_default_group_is_refused_clearly(tmp_path) -> No
         for proc in ctx.processes:
             if proc.is_alive():
                 proc.kill()
-    import json
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
 
-    for rank in range(4):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+
+def test_relaunch_on_an_adopted_default_group_is_refused_clearly(tmp_path) -> None:
+    # torch would give the re-made groups the names of the destroyed ones (stale rendezvous
+    # keys, a hang until the timeout); parallelctx refuses with a message instead.
+    from mp_workers import adopted_relaunch
+
+    for rank, result in enumerate(_four_ranks(adopted_relaunch, tmp_path)):
         assert result["first_sum"] == 2.0
         assert result["default_alive"] is True
         pair = [rank - rank % 2, rank - rank % 2 + 1]
@@ -247,26 +253,9 @@ def test_no_group_outlives_destroy(tmp_path, adopt: bool) -> None:
     # gpc kept the adopted default group alive after destroy() (Meetings held it to know which
     # group names were used on it): its worker threads ran into the interpreter's exit, and 1 in
     # 10 Fabric/Accelerate runs died there of "terminate called without an active exception".
-    import json
-
-    import torch.multiprocessing as mp
     from mp_workers import groups_left_alive
 
-    from parallelctx.launch import free_port
-
-    init = f"tcp://127.0.0.1:{free_port()}"
-    ctx = mp.start_processes(
-        groups_left_alive, args=(4, init, str(tmp_path), adopt), nprocs=4, join=False, start_method="spawn"
-    )
-    try:
-        while not ctx.join(timeout=120):
-            pass
-    finally:
-        for proc in ctx.processes:
-            if proc.is_alive():
-                proc.kill()
-    for rank in range(4):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    for rank, result in enumerate(_four_ranks(groups_left_alive, tmp_path, adopt)):
         assert {"global", "tensor", "data", "cpu tensor"} <= set(result["used"])
         assert result["alive"] == [], f"rank {rank}: groups alive after destroy: {result['alive']}"
 
