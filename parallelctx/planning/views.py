@@ -9,7 +9,7 @@ context's clear error; :class:`Unlaunched` stands in for a view before launch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, overload
 
 from .layout import Layout, LayoutError, ParallelMode
@@ -195,17 +195,8 @@ def _gone(field: str) -> property:
     return property(read)
 
 
-for _field in (
-    "rank",
-    "size",
-    "ranks",
-    "group",
-    "cpu_group",
-    "next_rank",
-    "prev_rank",
-    "is_first",
-    "is_last",
-):
+# every field but the mode, and the properties read from them
+for _field in [f.name for f in fields(ModeView) if f.name != "mode"] + ["is_first", "is_last"]:
     setattr(_Retired, _field, _gone(_field))
 
 
