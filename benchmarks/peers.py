@@ -73,6 +73,17 @@ def count_new_groups() -> Iterator[list[int]]:
 _SPACERS: list[Any] = []
 
 
+def keep_spacer() -> None:
+    """Keep one more one-rank group alive, so that torch's count of held groups (which names a
+    locally synchronized group) moves on. The spacer is a ``"fake"`` group: no collective ever
+    runs on it, and unlike a gloo group it starts no threads (a live gloo group's event loop wakes
+    100 times a second, so gloo spacers piling up round after round would load the machine, and
+    more so in a job whose teardown keeps more of them)."""
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+
+    _SPACERS.append(dist.new_group([dist.get_rank()], backend="fake", use_local_synchronization=True))
+
+
 def _held_everywhere() -> int:
     """The most process groups any rank holds now (ranks off the embedding group hold fewer)."""
     import torch
@@ -88,7 +99,7 @@ def _fresh_names(held: int) -> None:
     process holds, so the next round's groups cannot take the names (and stale store keys) of
     groups destroyed in this one, and the members of a group agree on its name."""
     while len(c10d._world.pg_names) <= held:
-        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        keep_spacer()
 
 
 def _distinct_groups(groups: list[Any]) -> list[Any]:
@@ -142,7 +153,7 @@ def setup_parallelctx(tensor: int, pipeline: int) -> Built:
         # process holds; re-creating the same groups on this default group after a destroy
         # would reuse the names (parallelctx refuses). One singleton group per rank, kept alive,
         # shifts that number so the next round gets fresh names.
-        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        keep_spacer()
 
     return Built(groups, queries, teardown, calls=gpc.group_creations, member_groups=len(groups))
 
@@ -221,7 +232,7 @@ def setup_bridge(tensor: int, pipeline: int) -> Built:
 
     def teardown() -> None:
         gpc.destroy()  # uninstalls too
-        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        keep_spacer()
 
     return Built(groups, queries, teardown, calls=calls, member_groups=len(groups))
 
@@ -247,7 +258,7 @@ def setup_bridge_pgc(tensor: int, pipeline: int) -> Built:
 
     def teardown() -> None:
         gpc.destroy()  # destroys the groups process_groups() made too
-        _SPACERS.append(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+        keep_spacer()
 
     return Built(groups, queries, teardown, calls=calls, member_groups=len(groups))
 

@@ -93,6 +93,9 @@ def worker(rounds: int, out: str) -> None:
         alone = [time.perf_counter() - t, time.thread_time() - c]
         dist.barrier()
         built.teardown()  # keeps one-rank groups: the next groups get fresh names
+        # and frees them: a destroyed gloo group still referenced keeps its threads, whose event
+        # loop wakes 100 times a second, a load on every later measurement
+        del built
         spent.clear()
         dist.barrier()
         t, c = time.perf_counter(), time.thread_time()
