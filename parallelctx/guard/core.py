@@ -4,9 +4,10 @@ exists, and what ``gpc.abort()`` and the hang report need.
 The group maker (:mod:`parallelctx.runtime.groups`) reads the free descriptor slots before each
 ``new_group`` and hands the group to :meth:`Guard.hold` right after, so an abort from another
 thread finds a group while the launch that made it is still running, before ``gpc`` has adopted
-anything. Each gloo group's event loop is noted then, once
-(:class:`~parallelctx.guard.sockets.GlooLoop`); :meth:`Guard.abort` reaches each group's
-connections through it and never scans the process's descriptors. ``gpc`` keeps one guard for
+anything. What each gloo group's creation opened is noted then, once (a ``fstat`` a slot); its
+event loop (:class:`~parallelctx.guard.sockets.GlooLoop`) is found among those descriptors the
+first time an abort or a teardown needs it, so the launch does not pay for it. :meth:`Guard.abort`
+reaches each group's connections through the loop and never scans the process's descriptors. ``gpc`` keeps one guard for
 the life of the process: the hang report's handlers and the abort flag outlive ``destroy()``.
 """
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from ..planning.layout import ParallelMode
 from .abort import abort_groups, wake
 from .hang import HangReport, HangWatch
-from .sockets import FdSlots, GlooLoop
+from .sockets import FdSlots, GlooLoop, Opened
 
 __all__ = ["Guard", "Held"]
 
@@ -35,13 +36,13 @@ logger = logging.getLogger("parallelctx")
 @dataclass(frozen=True)
 class Held:
     """One group the guard holds: the process group, this rank's index in it and its size, and
-    its gloo event loop in this process (None for a group of another backend, or one whose
-    loop was not found)."""
+    the descriptors its creation opened, among which its gloo event loop is found when first
+    needed (None for a group of another backend or of one rank)."""
 
     group: Any
     rank: int
     size: int
-    loop: GlooLoop | None
+    opened: Opened | None
 
 
 class Guard:
@@ -57,6 +58,7 @@ class Guard:
         # connections when the main thread, its collective ended, destroys the groups).
         self._lock = threading.RLock()
         self._held: dict[int, Held] = {}
+        self._loops: dict[int, GlooLoop | None] = {}  # a held group's loop, once looked for
         self._handlers: list[Callable[[HangReport], Any]] = []
         self._watch: HangWatch | None = None
         # What else an abort ends: the launch's own store connection while a launch waits
@@ -77,22 +79,39 @@ class Guard:
         """
         if not isinstance(group, dist.ProcessGroup):
             return None
-        loop = None
-        if slots is not None and group.size() > 1 and _is_gloo(group):
-            with self._lock:
-                known = {h.loop.listener_inode for h in self._held.values() if h.loop is not None}
-            loop = slots.gloo_loop(known)
-            if loop is None:
-                logger.warning(
-                    "parallelctx: the gloo event loop of group %s was not found among the descriptors "
-                    "it opened; gpc.abort() cannot shut down its connections (its collectives end at "
-                    "the group's timeout instead)",
-                    getattr(group, "group_name", "?"),
-                )
-        held = Held(group, group.rank(), group.size(), loop)
+        size = group.size()
+        opened = slots.opened() if slots is not None and size > 1 and _is_gloo(group) else None
+        held = Held(group, group.rank(), size, opened)
         with self._lock:
             self._held[id(group)] = held
+            self._loops.pop(id(group), None)
         return held
+
+    def _found_loops(self) -> list[tuple[Held, GlooLoop]]:
+        """Every held group with its gloo loop, looking for the loops not looked for yet among
+        the descriptors their creation opened, in the order the groups were made (a loop found
+        for an earlier group is no later group's). Call with the lock held. Never raises."""
+        known = {loop.listener_inode for loop in self._loops.values() if loop is not None}
+        found = []
+        for key, held in self._held.items():
+            if held.opened is None:
+                continue
+            if key not in self._loops:
+                loop = held.opened.gloo_loop(known)
+                self._loops[key] = loop
+                if loop is None:
+                    logger.warning(
+                        "parallelctx: the gloo event loop of group %s was not found among the "
+                        "descriptors it opened; gpc.abort() cannot shut down its connections (its "
+                        "collectives end at the group's timeout instead)",
+                        getattr(held.group, "group_name", "?"),
+                    )
+                else:
+                    known.add(loop.listener_inode)
+            loop = self._loops[key]
+            if loop is not None:
+                found.append((held, loop))
+        return found
 
     def release(self, groups: Iterable[Any] | None = None) -> None:
         """Stop holding ``groups`` (every group when None) right before they are destroyed,
@@ -100,11 +119,12 @@ class Guard:
         that no group's destructor waits forever on its loop; returns None."""
         with self._lock:
             ids = None if groups is None else {id(g) for g in groups}
-            gone = [h for key, h in self._held.items() if ids is None or key in ids]
-            for held in gone:
-                if held.loop is not None and held.loop.alive():
-                    held.loop.quiet()
-                del self._held[id(held.group)]
+            for held, loop in self._found_loops():
+                if (ids is None or id(held.group) in ids) and loop.alive():
+                    loop.quiet()
+            for key in [k for k in self._held if ids is None or k in ids]:
+                del self._held[key]
+                self._loops.pop(key, None)
 
     def held(self) -> list[Held]:
         """Return what is held now, in the order the groups were made."""
@@ -141,7 +161,7 @@ class Guard:
             if not held:
                 return 0
             abort_groups([h.group for h in held], include_default=False)
-            loops = [(h, h.loop) for h in held if h.loop is not None and h.loop.alive()]
+            loops = [(h, loop) for h, loop in self._found_loops() if loop.alive()]
             listeners = {(h.rank, h.size, loop.listener) for h, loop in loops}
             wake({at: (rank, size) for rank, size, at in listeners if at is not None}, min(timeout, 0.5))
             return sum(loop.shut_down() for _, loop in loops)

@@ -30,7 +30,7 @@ import stat
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-__all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "endpoint_of", "shut_down_fd", "socket_at"]
+__all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "Opened", "endpoint_of", "shut_down_fd", "socket_at"]
 
 Endpoint = tuple[str, int]
 """A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port)."""
@@ -313,7 +313,40 @@ class FdSlots:
         :meth:`GlooLoop.at`; ``known``: listener inodes of loops found before), or None (not a
         gloo group, not Linux, or more than ``SLOTS - 4`` descriptors opened meanwhile by other
         threads). Never raises."""
+        return self.opened().gloo_loop(known)
+
+    def opened(self) -> Opened:
+        """Return what these slots hold now: each slot's descriptor and its inode (one ``fstat``
+        each; the free ones left out). Called right after a group is made, it notes what the
+        group opened, cheaply; :meth:`Opened.gloo_loop` finds the loop among them later, when an
+        abort or a teardown needs it. Never raises."""
+        found = []
         for fd in self.numbers:
+            try:
+                found.append((fd, os.fstat(fd).st_ino))
+            except OSError:
+                continue
+        return Opened(tuple(found))
+
+
+@dataclass(frozen=True)
+class Opened:
+    """The descriptors a group's creation opened, with their inodes, noted right after it was
+    made (:meth:`FdSlots.opened`): enough to find its gloo loop later, and to tell a number
+    closed and reused since from the descriptor noted."""
+
+    descriptors: tuple[tuple[int, int], ...]
+
+    def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
+        """Return the gloo loop among the noted descriptors that still hold the file they held
+        when noted (see :meth:`GlooLoop.at`; ``known``: listener inodes of loops found before),
+        or None. Never raises."""
+        for fd, inode in self.descriptors:
+            try:
+                if os.fstat(fd).st_ino != inode:
+                    continue  # closed and reused since: not the group's any more
+            except OSError:
+                continue
             loop = GlooLoop.at(fd, known)
             if loop is not None:
                 return loop
