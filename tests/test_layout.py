@@ -192,6 +192,19 @@ def test_rank_out_of_range() -> None:
 
 
 # --------------------------------------------------------------------------- scale
+@pytest.mark.parametrize("order", ["tp-cp-ep-dp-pp", "pp-dp-tp-cp-ep", "dp-tp-cp-ep-pp"])
+def test_small_and_large_groups_are_listed_alike(order: str) -> None:
+    # group_of lists a group of up to 256 members in Python and a larger one with numpy: both
+    # must give the whole-world array's row (here data groups of 300, 128 and 257 members)
+    for world, tensor, pipeline in ((600, 2, 1), (1024, 2, 4), (1028, 2, 2)):
+        layout = plan(world, tensor=tensor, pipeline=pipeline, order=order)
+        for mode in LATTICE_MODES:
+            array = layout.group_array(mode).tolist()
+            for row in (array[0], array[len(array) // 2], array[-1]):
+                assert layout.group_of(mode, row[-1]) == row, (mode, world)
+                assert layout.local_rank(mode, row[-1]) == len(row) - 1
+
+
 def test_one_million_ranks() -> None:
     world = 1_048_576
     layout = plan(world, tensor=8, pipeline=16)

@@ -34,6 +34,7 @@ With both sizes 1 (the default) nothing changes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -156,6 +157,8 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
         Raises:
             LayoutError: ``mode`` names no mode; the message lists the valid names and aliases.
         """
+        if mode.__class__ is cls:  # a member already: the common case, without the enum call
+            return mode  # type: ignore[return-value]
         try:
             return cls(mode)
         except ValueError:
@@ -311,6 +314,26 @@ class _Grid:
                 members = (steps[:, None] + members[None, :]).ravel()
         return members + base
 
+    def members(self, axes: Iterable[str], rank: int, offset: int = 0) -> list[int]:
+        """:meth:`group_of` as a list, each member plus ``offset``: built in Python for a small
+        group (numpy's fixed cost per call is larger there), with numpy for a large one."""
+        spanned = [
+            (stride, size)
+            for token, stride, size in zip(self.tokens, self.strides, self.sizes)
+            if token in axes and size > 1
+        ]
+        if math.prod(size for _, size in spanned) > _PYTHON_MEMBERS:
+            return (self.group_of(axes, rank) + offset).tolist()
+        base, members = rank + offset, [0]
+        for stride, size in spanned:
+            base -= ((rank // stride) % size) * stride
+            members = [k * stride + m for k in range(size) for m in members]
+        return [m + base for m in members]
+
+
+# Up to this many members a group is listed in Python (:meth:`_Grid.members`), beyond with numpy.
+_PYTHON_MEMBERS = 256
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -437,7 +460,7 @@ class Layout:
         if mode is ParallelMode.EMBEDDING:
             return min(self.pipeline, 2)
         grid, axes = self._grid_axes(mode)
-        return int(np.prod([grid.size_of(t) for t in axes]))
+        return math.prod(grid.size_of(t) for t in axes)
 
     # ----------------------------------------------------------------------------- groups
     def _grid_axes(self, mode: ParallelMode) -> tuple[_Grid, tuple[str, ...]]:
@@ -487,7 +510,7 @@ class Layout:
             ends = sorted({pipe[0], pipe[-1]})
             return ends if rank in ends else []
         grid, axes = self._grid_axes(mode)
-        return (grid.group_of(axes, rank - self.offset) + self.offset).tolist()
+        return grid.members(axes, rank - self.offset, self.offset)
 
     def axes_groups(self, grid: str, axes: Iterable[str]) -> list[list[int]]:
         """Return every group spanning the order-string tokens ``axes`` (``dp`` is the whole
@@ -508,7 +531,7 @@ class Layout:
         """
         self._check_rank(rank)
         g, spanned = self._grid_tokens(grid, axes)
-        return (g.group_of(spanned, rank - self.offset) + self.offset).tolist()
+        return g.members(spanned, rank - self.offset, self.offset)
 
     def _grid_tokens(self, grid: str, axes: Iterable[str]) -> tuple[_Grid, tuple[str, ...]]:
         if grid not in (_DENSE, _EXPERT):
