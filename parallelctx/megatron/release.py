@@ -462,7 +462,11 @@ def check(release: Release | None = None) -> Release:
             does not know, or lacks ones every known release has; the message names each and
             the fix.
     """
-    release = release or detect()
+    if release is None:
+        state = vars(ps)
+        return _checked(
+            tuple(state), tuple(map(id, state.values())), tuple(vars(_mrandom)), str(_mcore.__version__)
+        )[0]
     found = differences(release)
     if found:
         raise MegatronVersionError(
@@ -472,6 +476,16 @@ def check(release: Release | None = None) -> Release:
             "parallelctx/megatron/release.py and state.py"
         )
     return release
+
+
+@functools.lru_cache(maxsize=1)
+def _checked(*fingerprint: Any) -> tuple[Release, tuple[Any, ...]]:
+    """The installed release, checked (:func:`check`), for ``fingerprint``: what :func:`detect`
+    reads, by name and identity (``parallel_state``'s names and the ids of their values, the RNG
+    module's names, the version), so that a launch after the first pays for neither while
+    nothing changed, and a patched getter or a new global is read afresh. The values are kept
+    with the answer, so no id in a cached fingerprint can be reused by another object."""
+    return check(detect()), tuple(vars(ps).values())
 
 
 def pristine(name: str) -> Any:

@@ -194,6 +194,7 @@ class GroupMaker:
         self.blocker = local_sync_blocker() if world > 1 else None
         self.calls = 0
         self.made: list[Held] = []
+        self._connects: dict[str | None, bool] = {}  # connects_at_creation by backend, for this launch
 
     def claim(self, members: Sequence[int]) -> None:
         """Record, in the used names, the name torch is about to give a locally synchronized
@@ -239,7 +240,9 @@ class GroupMaker:
         # a group of one rank has no peers, so no connection for abort to shut down
         slots = FdSlots.reserve() if ranks is None or len(ranks) > 1 else None
         with lazy_gloo(self.lazy):
-            self.eager = self.eager or connects_at_creation(backend)
+            if backend not in self._connects:
+                self._connects[backend] = connects_at_creation(backend)
+            self.eager = self.eager or self._connects[backend]
             group = dist.new_group(
                 None if ranks is None else list(ranks),
                 timeout=self.timeout,

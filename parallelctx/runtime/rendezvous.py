@@ -628,7 +628,8 @@ def _follow(
                 if answered is not None and store.check([answered + "confirmed"]):
                     verdict: _Verdict = pickle.loads(store.get(answered + "confirmed"))
                     if len(verdict.nonces) == world_size - 1 and verdict.nonces[rank - 1] == nonce:
-                        store.add(answered + "read", 1)
+                        if verdict.problem is not None:  # rank 0 waits for every rank to read a refusal
+                            store.add(answered + "read", 1)
                         return answered, verdict
                     reread = 0.0  # an earlier launch's prefix, or a refusal told before this rank answered
             except Exception as exc:
