@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             "many_fds",
             "Launch and abort with many open descriptors (issue 34)",
             f"python -m benchmarks.many_fds {' '.join(argv or sys.argv[1:])}",
-            "Each group's gloo event loop is noted once, when the group is made, from the descriptor "
-            "slots it opened; abort reaches a group's connections through that loop. Neither looks at "
-            "the other descriptors a process holds.",
+            "When a group is made, the descriptor slots its creation opened are noted (one fstat "
+            "each); the first abort finds each group's gloo event loop among them and reaches the "
+            "group's connections through it. Neither looks at the other descriptors a process holds.",
             body,
         )
     return 0

@@ -6,9 +6,10 @@ The group maker (:mod:`parallelctx.runtime.groups`) reads the free descriptor sl
 thread finds a group while the launch that made it is still running, before ``gpc`` has adopted
 anything. What each gloo group's creation opened is noted then, once (a ``fstat`` a slot); its
 event loop (:class:`~parallelctx.guard.sockets.GlooLoop`) is found among those descriptors the
-first time an abort or a teardown needs it, so the launch does not pay for it. :meth:`Guard.abort`
-reaches each group's connections through the loop and never scans the process's descriptors. ``gpc`` keeps one guard for
-the life of the process: the hang report's handlers and the abort flag outlive ``destroy()``.
+first time an abort or a teardown needs it, so the launch does not pay for it.
+:meth:`Guard.abort` reaches each group's connections through the loop and never scans the
+process's descriptors. ``gpc`` keeps one guard for the life of the process: the hang report's
+handlers and the abort flag outlive ``destroy()``.
 """
 
 from __future__ import annotations

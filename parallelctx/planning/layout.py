@@ -158,7 +158,7 @@ class ParallelMode(str, Enum, metaclass=_ParallelModeType):
             LayoutError: ``mode`` names no mode; the message lists the valid names and aliases.
         """
         if mode.__class__ is cls:  # a member already: the common case, without the enum call
-            return mode  # type: ignore[return-value]
+            return mode
         try:
             return cls(mode)
         except ValueError:
