@@ -258,3 +258,41 @@ def test_a_loop_watching_a_named_fifo_is_not_taken_for_a_gloo_loop(tmp_path) -> 
         os.close(fifo)
         os.close(wake_r)
         os.close(wake_w)
+
+
+def test_a_loop_found_later_is_the_groups_own_not_one_in_a_number_reused_since() -> None:
+    # The loop is looked for among the noted slots when an abort first needs it. A slot that
+    # held another thread's eventfd when the group was made, closed since and now holding another
+    # group's epoll, has the same inode (every anonymous descriptor shares one): that group's loop
+    # was taken, so gpc.abort() shut down the user's own group and left gpc's collective waiting
+    # (skeptic, 2026-12-05). The loop's pipe and listener must be noted descriptors.
+    import select
+
+    from parallelctx.guard.sockets import FdSlots
+
+    def gloo_like() -> tuple[select.epoll, int, int, socket.socket]:
+        wake_r, wake_w = os.pipe()
+        epoll = select.epoll()
+        listener = socket.create_server(("127.0.0.1", 0))
+        epoll.register(wake_r, select.EPOLLIN)
+        epoll.register(listener.fileno(), select.EPOLLIN)
+        return epoll, wake_r, wake_w, listener
+
+    slots = FdSlots.reserve()
+    others = [os.eventfd(0) for _ in range(3)]  # another thread's, opened while the group is made
+    ours = gloo_like()
+    opened = slots.opened()
+    for fd in others:
+        os.close(fd)
+    theirs = gloo_like()  # made later (the user's group): takes the numbers freed
+    try:
+        assert theirs[0].fileno() in slots.numbers  # an epoll in a noted number, same inode as noted
+        found = opened.gloo_loop()
+        assert found is not None
+        assert (found.epoll, found.listener_fd) == (ours[0].fileno(), ours[3].fileno())
+    finally:
+        for epoll, wake_r, wake_w, listener in (ours, theirs):
+            epoll.close()
+            listener.close()
+            os.close(wake_r)
+            os.close(wake_w)

@@ -203,6 +203,8 @@ def test_small_and_large_groups_are_listed_alike(order: str) -> None:
             for row in (array[0], array[len(array) // 2], array[-1]):
                 assert layout.group_of(mode, row[-1]) == row, (mode, world)
                 assert layout.local_rank(mode, row[-1]) == len(row) - 1
+                # plain ints whichever way it was listed, for a numpy rank too (json, pickle)
+                assert {type(m) for m in layout.group_of(mode, np.int64(row[0]))} == {int}
 
 
 def test_one_million_ranks() -> None:

@@ -193,13 +193,18 @@ class GlooLoop:
     listener_inode: int
 
     @classmethod
-    def at(cls, fd: int, known: Collection[int] = ()) -> GlooLoop | None:
+    def at(
+        cls, fd: int, known: Collection[int] = (), noted: Collection[tuple[int, int]] | None = None
+    ) -> GlooLoop | None:
         """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers gloo's
         wake-up pipe and a listening TCP socket (its listener) whose inode is not in ``known``
         (the listeners of loops found before); else None. Another thread's event loop opened
         meanwhile in the same slots (a ``selectors`` or asyncio server: no pipe registered) is
         not taken for it; a TCPStore server's libuv loop looks the same: reserve the slots after
-        the launch's store exists. Never raises."""
+        the launch's store exists. With ``noted`` (descriptor, inode) pairs, the loop's wake-up
+        pipe and listener must be among them: an epoll's own inode is the same for every
+        anonymous descriptor, so only what it registers tells one loop from another. Never
+        raises."""
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
                 return None
@@ -212,12 +217,18 @@ class GlooLoop:
                 modes[tfd] = os.fstat(tfd)
             except OSError:
                 continue
-        if not any(stat.S_ISFIFO(info.st_mode) and _anonymous_pipe(tfd) for tfd, info in modes.items()):
-            return None  # no wake-up pipe: not gloo's loop
+        ours = (lambda pair: True) if noted is None else set(noted).__contains__
+        if not any(
+            stat.S_ISFIFO(info.st_mode) and ours((tfd, info.st_ino)) and _anonymous_pipe(tfd)
+            for tfd, info in modes.items()
+        ):
+            return None  # no wake-up pipe (of the noted descriptors): not gloo's loop (not this group's)
         for tfd, inode in registered:
             info = modes.get(tfd)
             if info is None or not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
                 continue  # not a socket, or the number now holds another file
+            if not ours((tfd, inode)):
+                continue  # opened after the group was made: another group's, or a connection
             if inode in known:
                 return None  # a loop found before
             # The listener is the listening socket, not the lowest-numbered one: a connection made
@@ -338,16 +349,18 @@ class Opened:
     descriptors: tuple[tuple[int, int], ...]
 
     def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
-        """Return the gloo loop among the noted descriptors that still hold the file they held
-        when noted (see :meth:`GlooLoop.at`; ``known``: listener inodes of loops found before),
-        or None. Never raises."""
+        """Return the gloo loop among the noted descriptors (see :meth:`GlooLoop.at`; ``known``:
+        listener inodes of loops found before), or None. A noted number may hold another file
+        now, and every anonymous descriptor (epoll, eventfd) has the same inode, so a loop is
+        taken only when its wake-up pipe and its listener are noted descriptors still holding
+        the file they held (pipes and sockets have inodes of their own). Never raises."""
         for fd, inode in self.descriptors:
             try:
                 if os.fstat(fd).st_ino != inode:
                     continue  # closed and reused since: not the group's any more
             except OSError:
                 continue
-            loop = GlooLoop.at(fd, known)
+            loop = GlooLoop.at(fd, known, self.descriptors)
             if loop is not None:
                 return loop
         return None

@@ -324,6 +324,7 @@ class _Grid:
         ]
         if math.prod(size for _, size in spanned) > _PYTHON_MEMBERS:
             return (self.group_of(axes, rank) + offset).tolist()
+        rank, offset = int(rank), int(offset)  # plain ints out, as tolist() gives, for a numpy rank too
         base, members = rank + offset, [0]
         for stride, size in spanned:
             base -= ((rank // stride) % size) * stride
