@@ -192,16 +192,22 @@ def launches_again() -> None:
     parallelctx.launch_from_env({"parallel": {"tensor": 1}}, backend="gloo")
 
 
-def groups_left_alive(index: int, world: int, init_method: str, out_dir: str, adopt: bool) -> None:
+def groups_left_alive(
+    index: int, world: int, init_method: str, out_dir: str, adopt: bool, bridge: bool = False
+) -> None:
     """Worker for torch.multiprocessing: model code on gpc's groups (tensor 2), then
     ``gpc.destroy()`` (and, when the user made the default group, the user's own
     ``destroy_process_group()``); records which of the groups the model code used are still
     alive once the program holds none of them. A group kept alive into the interpreter's exit
     runs its worker threads there: a work they free then needs the GIL, and the rank dies of
-    ``terminate called without an active exception``."""
+    ``terminate called without an active exception``. With ``bridge``, the model code also
+    installs the Megatron bridge and takes ``process_groups()`` while it is installed (its
+    release check then sees process groups in ``parallel_state``)."""
     import gc
     import weakref
 
+    if bridge:  # before the launch: imported after it, torch's and Megatron's modules keep the world group
+        import parallelctx.megatron
     if adopt:
         dist.init_process_group("gloo", init_method=init_method, rank=index, world_size=world)
         parallelctx.launch({"parallel": {"tensor": 2}, "dist": {"timeout": 60}}, rank=index, world_size=world)
@@ -215,6 +221,17 @@ def groups_left_alive(index: int, world: int, init_method: str, out_dir: str, ad
         t = torch.ones(1)
         dist.all_reduce(t, group=gpc.get_group(mode))
     used: dict[str, weakref.ref[Any]] = {}
+    if bridge:
+        import dataclasses
+
+        from parallelctx import megatron as megatron_bridge
+
+        megatron_bridge.install()
+        collection = megatron_bridge.process_groups()
+        for f in dataclasses.fields(collection):
+            if isinstance(getattr(collection, f.name, None), dist.ProcessGroup):
+                used[f"megatron {f.name}"] = weakref.ref(getattr(collection, f.name))
+        collection = None
     for mode in ParallelMode:
         for kind, get in (("", gpc.get_group), ("cpu ", gpc.get_cpu_group)):
             try:

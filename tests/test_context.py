@@ -248,15 +248,20 @@ def test_gloo_lazy_init_is_scoped(launched) -> None:
     assert "TORCH_GLOO_LAZY_INIT" not in os.environ, "the variable is set only while groups are made"
 
 
-@pytest.mark.parametrize("adopt", [True, False], ids=["adopted", "owned"])
-def test_no_group_outlives_destroy(tmp_path, adopt: bool) -> None:
+@pytest.mark.parametrize(
+    ("adopt", "bridge"), [(True, False), (False, False), (False, True)], ids=["adopted", "owned", "megatron"]
+)
+def test_no_group_outlives_destroy(tmp_path, adopt: bool, bridge: bool) -> None:
     # gpc kept the adopted default group alive after destroy() (Meetings held it to know which
     # group names were used on it): its worker threads ran into the interpreter's exit, and 1 in
     # 10 Fabric/Accelerate runs died there of "terminate called without an active exception".
+    # With the Megatron bridge: a cache of its release check must not hold parallel_state's
+    # groups (it held every parallel_state value once, 2026-12-05, before it was committed).
     from mp_workers import groups_left_alive
 
-    for rank, result in enumerate(_four_ranks(groups_left_alive, tmp_path, adopt)):
+    for rank, result in enumerate(_four_ranks(groups_left_alive, tmp_path, adopt, bridge)):
         assert {"global", "tensor", "data", "cpu tensor"} <= set(result["used"])
+        assert not bridge or "megatron tp" in result["used"]
         assert result["alive"] == [], f"rank {rank}: groups alive after destroy: {result['alive']}"
 
 

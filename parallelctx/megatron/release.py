@@ -463,10 +463,15 @@ def check(release: Release | None = None) -> Release:
             the fix.
     """
     if release is None:
+        # what detect() reads: parallel_state's names and functions (by identity; never its other
+        # values, process groups after install(), which the cache must not keep alive),
+        # initialize_model_parallel, the RNG module's names and the version
         state = vars(ps)
-        return _checked(
-            tuple(state), tuple(map(id, state.values())), tuple(vars(_mrandom)), str(_mcore.__version__)
-        )[0]
+        functions = (ps.initialize_model_parallel, *(v for v in state.values() if inspect.isfunction(v)))
+        try:
+            return _checked(tuple(state), functions, tuple(vars(_mrandom)), str(_mcore.__version__))
+        except TypeError:  # an unhashable callable (a user's wrapper object): not cached
+            return check(detect())
     found = differences(release)
     if found:
         raise MegatronVersionError(
@@ -479,13 +484,14 @@ def check(release: Release | None = None) -> Release:
 
 
 @functools.lru_cache(maxsize=1)
-def _checked(*fingerprint: Any) -> tuple[Release, tuple[Any, ...]]:
-    """The installed release, checked (:func:`check`), for ``fingerprint``: what :func:`detect`
-    reads, by name and identity (``parallel_state``'s names and the ids of their values, the RNG
-    module's names, the version), so that a launch after the first pays for neither while
-    nothing changed, and a patched getter or a new global is read afresh. The values are kept
-    with the answer, so no id in a cached fingerprint can be reused by another object."""
-    return check(detect()), tuple(vars(ps).values())
+def _checked(
+    names: tuple[str, ...], functions: tuple[Any, ...], random_names: tuple[str, ...], version: str
+) -> Release:
+    """The installed release, checked (:func:`check`), for what :func:`detect` reads: a launch
+    after the first pays for neither while nothing changed, and a patched getter or a new global
+    is read afresh. The key holds the functions themselves (compared by identity), never another
+    ``parallel_state`` value."""
+    return check(detect())
 
 
 def pristine(name: str) -> Any:
