@@ -207,7 +207,7 @@ def groups_left_alive(
     import weakref
 
     if bridge:  # before the launch: imported after it, torch's and Megatron's modules keep the world group
-        import parallelctx.megatron
+        from parallelctx import megatron as megatron_bridge
     if adopt:
         dist.init_process_group("gloo", init_method=init_method, rank=index, world_size=world)
         parallelctx.launch({"parallel": {"tensor": 2}, "dist": {"timeout": 60}}, rank=index, world_size=world)
@@ -223,8 +223,6 @@ def groups_left_alive(
     used: dict[str, weakref.ref[Any]] = {}
     if bridge:
         import dataclasses
-
-        from parallelctx import megatron as megatron_bridge
 
         megatron_bridge.install()
         collection = megatron_bridge.process_groups()
