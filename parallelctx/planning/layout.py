@@ -301,33 +301,26 @@ class _Grid:
         group_size = int(np.prod([self.size_of(slow_first[i]) for i in inner], dtype=np.int64))
         return cube.transpose(outer + inner).reshape(-1, group_size)
 
-    def group_of(self, axes: Iterable[str], rank: int) -> np.ndarray:
-        """The ascending members of the group spanning ``axes`` that holds ``rank``."""
-        members = np.zeros(1, dtype=np.int64)
-        base = rank
-        # Strides grow along the order, so each new axis goes outermost and the result stays
-        # ascending without a sort.
-        for token, stride, size in zip(self.tokens, self.strides, self.sizes):
-            if token in axes and size > 1:
-                base -= ((rank // stride) % size) * stride
-                steps = np.arange(size, dtype=np.int64) * stride
-                members = (steps[:, None] + members[None, :]).ravel()
-        return members + base
-
     def members(self, axes: Iterable[str], rank: int, offset: int = 0) -> list[int]:
-        """:meth:`group_of` as a list, each member plus ``offset``: built in Python for a small
-        group (numpy's fixed cost per call is larger there), with numpy for a large one."""
+        """The ascending members of the group spanning ``axes`` that holds ``rank``, each plus
+        ``offset``: listed in Python for a small group (numpy's fixed cost per call is larger
+        there), with numpy for a large one; plain ints either way."""
+        rank, offset = int(rank), int(offset)
         spanned = [
             (stride, size)
             for token, stride, size in zip(self.tokens, self.strides, self.sizes)
             if token in axes and size > 1
         ]
+        base = rank + offset - sum(((rank // stride) % size) * stride for stride, size in spanned)
+        # Strides grow along the order, so each new axis goes outermost and the result stays
+        # ascending without a sort.
         if math.prod(size for _, size in spanned) > _PYTHON_MEMBERS:
-            return (self.group_of(axes, rank) + offset).tolist()
-        rank, offset = int(rank), int(offset)  # plain ints out, as tolist() gives, for a numpy rank too
-        base, members = rank + offset, [0]
+            array = np.zeros(1, dtype=np.int64)
+            for stride, size in spanned:
+                array = (np.arange(size, dtype=np.int64)[:, None] * stride + array[None, :]).ravel()
+            return (array + base).tolist()
+        members = [0]
         for stride, size in spanned:
-            base -= ((rank // stride) % size) * stride
             members = [k * stride + m for k in range(size) for m in members]
         return [m + base for m in members]
 
