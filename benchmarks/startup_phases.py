@@ -11,7 +11,10 @@ functions that make it: the checks, the meeting (``meet``: the launch's key pref
 rank's arrival in one round trip), this rank's groups (``new_group`` calls inside), hosts, device, seeds, the bridge's
 groups. Before each round, in the same job, torch alone makes the same groups
 (``benchmarks.peers.setup_torch_groups``: plain ``new_group`` calls, no config, rendezvous or
-seeds), timed the same way: both see the same machine and the same groups held. Prints the medians over ranks and rounds (round 0 warms up and is dropped);
+seeds), timed the same way: both see the same machine and the same groups held. The last two
+rows are the floor of this design: torch alone's CPU plus only the phases no trimming can remove
+(the checks, the meeting, the descriptor slots and the guard's hold of each group, the seeds).
+Prints the medians over ranks and rounds (round 0 warms up and is dropped);
 ``--write-results`` writes them into benchmarks/RESULTS.md. The wall time of a rendezvous phase is
 mostly waiting for the last rank to be scheduled; the CPU time is this rank's own work.
 """
@@ -38,10 +41,15 @@ PHASES = [
     ("meetings", "meet", "the meeting: prefix and arrivals (one rendezvous round)"),
     ("Launched", "with_groups", "this rank's groups"),
     ("GroupMaker", "new_group", "  of which torch's new_group + noting the gloo loop"),
+    ("FdSlots", "reserve", "  of which reading the free descriptor slots before each group"),
+    ("Guard", "hold", "  of which the guard's hold of each group (its descriptors noted)"),
     ("Launched", "with_hosts", "hosts, local rank"),
     ("Launched", "with_streams", "seeds and streams"),
     ("bridge", "_build", "Megatron bridge: its groups and values"),
 ]
+
+# The phases a launch of this design needs whatever else it trims (the floor row of the table)
+FLOOR = ("_checked", "meet", "reserve", "hold", "with_streams")
 
 
 def worker(rounds: int, out: str) -> None:
@@ -59,10 +67,12 @@ def worker(rounds: int, out: str) -> None:
     import parallelctx
     import parallelctx.megatron as bridge
     from parallelctx import gpc
+    from parallelctx.guard.core import Guard
+    from parallelctx.guard.sockets import FdSlots
     from parallelctx.runtime import groups, meetings, startup
 
     owners = {"startup": startup, "meetings": meetings, "Launched": startup.Launched}
-    owners.update(GroupMaker=groups.GroupMaker, bridge=bridge)
+    owners.update(GroupMaker=groups.GroupMaker, bridge=bridge, Guard=Guard, FdSlots=FdSlots)
     spent: dict[str, list[float]] = {}
 
     def timed(owner: Any, name: str) -> None:
@@ -173,6 +183,15 @@ def table(results: dict[str, dict[str, list[float]]], nproc: int) -> str:
         for m in modes
     )
     lines.append(f"| parallelctx ÷ torch alone | {ratios} |")
+    # What a launch of this design cannot leave out, beside torch's own group making: the checks,
+    # the one agreement round, the guard's notes of each group, the seeds (CPU; sums of medians)
+    floor = {m: results[m]["torch_alone"][1] + sum(results[m][n][1] for n in FLOOR) for m in modes}
+    cells = " | ".join(f"— | {floor[m] * 1e3:.2f} ms" for m in modes)
+    lines.append(
+        f"| floor: torch alone + checks, meeting, slots, hold, seeds (sum of the CPU medians) | {cells} |"
+    )
+    cells = " | ".join(f"— | {floor[m] / results[m]['torch_alone'][1]:.2f}" for m in modes)
+    lines.append(f"| floor ÷ torch alone | {cells} |")
     return "\n".join(lines)
 
 

@@ -135,7 +135,7 @@ def test_the_issue_34_benchmarks_run_once_and_print_tables() -> None:
         ),
         (
             ["benchmarks.startup_phases", "--nproc", "2", "--rounds", "2"],
-            "| parallelctx ÷ torch alone |",
+            "| floor ÷ torch alone |",
         ),
     ):
         done = subprocess.run(
