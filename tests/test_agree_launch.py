@@ -152,3 +152,69 @@ def test_ranks_that_disagree_are_named_on_every_rank(server: dist.TCPStore) -> N
         assert isinstance(results[r], RendezvousError), results
         assert results[r].ranks == (1,), results
         assert "parallel.tensor: 2 on ranks 0, 2; 4 on rank 1" in str(results[r]), results
+
+
+class Counting(dist.Store):
+    """A rank's store client that counts its requests by (request, key)."""
+
+    def __init__(self, inner: dist.Store) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls: dict[tuple[str, str], int] = {}
+
+    def _count(self, request: str, keys: list[str]) -> None:
+        for key in keys:
+            self.calls[(request, key)] = self.calls.get((request, key), 0) + 1
+
+    def set(self, key: str, value: object) -> None:
+        self._count("set", [key])
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count("get", [key])
+        return self.inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count("add", [key])
+        return self.inner.add(key, value)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count("check", keys)
+        return self.inner.check(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self._count("multi_get", keys)
+        return self.inner.multi_get(keys)
+
+
+def test_a_rank_that_came_before_rank_0_reads_the_last_launchs_verdict_once(server: dist.TCPStore) -> None:
+    """A relaunch on the same store: ranks 1-3 come before rank 0 and find the last launch's
+    prefix posted. Each answers it, reads its verdict once (final: it went on without this rank),
+    and from then on polls only the posted prefix, with no check before it, until rank 0 posts the
+    new one; every rank then meets under the new prefix."""
+    assert all(r[0] == "parallelctx/launch-1/" for r in one_round(server, 4, attempt=0, late={}))
+    stores = [Counting(client(server)) for _ in range(4)]
+    results: list = [None] * 4
+
+    def rank_main(rank: int) -> None:
+        if rank == 0:  # once every other rank has answered the last launch's prefix, and a while more
+            deadline = time.monotonic() + 20
+            while server.add("parallelctx/launch-1/answers", 0) < 6 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.3)
+        try:
+            results[rank] = meet(stores[rank], Arrival(rank, "h1", {"attempt": 1}), 4, TIMEOUT, "test")
+        except Exception as exc:  # recorded, the test asserts on it
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(r == ("parallelctx/launch-2/", ["h1"] * 4) for r in results), results
+    for rank in (1, 2, 3):
+        calls = stores[rank].calls
+        assert calls.get(("get", "parallelctx/launch-1/confirmed")) == 1, (rank, calls)
+        assert calls.get(("check", "parallelctx/leader")) == 1, (rank, calls)
+        assert calls[("get", "parallelctx/leader")] >= 3, (rank, calls)  # polled while rank 0 was away

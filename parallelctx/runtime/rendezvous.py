@@ -605,11 +605,16 @@ def _follow(
     own = generation
     pauses = _pauses(world_size)
     reread = 0.0  # when to read the posted prefix again (a newer launch may replace it)
+    posted = False  # the leader key exists (rank 0 never deletes it): read it without a check
+    # A prefix whose verdict went on without this rank's nonce (an earlier launch's, read before
+    # rank 0 posted this one): such a verdict is final, so it is not read again.
+    past: str | None = None
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
         while True:
             try:
                 now = time.monotonic()
-                if now >= reread and store.check([_ROOT + "leader"]):
+                if now >= reread and (posted or store.check([_ROOT + "leader"])):
+                    posted = True
                     prefix, theirs = _posted(store.get(_ROOT + "leader"))
                     if not _in_step(theirs, generation):
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
@@ -625,12 +630,16 @@ def _follow(
                         store.add(prefix + "answers", count)
                         answered = prefix
                     reread = now + _SLICE_S if now else 0.0
-                if answered is not None and store.check([answered + "confirmed"]):
+                if answered is not None and answered == past:
+                    reread = 0.0  # read the posted prefix at every poll until rank 0 posts this launch's
+                elif answered is not None and store.check([answered + "confirmed"]):
                     verdict: _Verdict = pickle.loads(store.get(answered + "confirmed"))
                     if len(verdict.nonces) == world_size - 1 and verdict.nonces[rank - 1] == nonce:
                         if verdict.problem is not None:  # rank 0 waits for every rank to read a refusal
                             store.add(answered + "read", 1)
                         return answered, verdict
+                    if verdict.problem is None:  # posted once, when every rank had answered
+                        past = answered
                     reread = 0.0  # an earlier launch's prefix, or a refusal told before this rank answered
             except Exception as exc:
                 raise _lost(rank, where, exc) from None
