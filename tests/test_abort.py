@@ -296,3 +296,48 @@ def test_a_loop_found_later_is_the_groups_own_not_one_in_a_number_reused_since()
             listener.close()
             os.close(wake_r)
             os.close(wake_w)
+
+
+@pytest.mark.parametrize("moved", ["epoll", "listener"])
+def test_a_loop_that_took_a_number_another_thread_freed_is_still_found(moved: str) -> None:
+    # Another thread holds a descriptor at the lowest free number when the slots are read and
+    # closes it while the group is made; gloo's epoll (or its listener) takes that number, below
+    # the slots, and the first look (among the slots) misses the loop: gpc.abort() then left the
+    # group's all-reduce waiting until a peer closed (torchrun_abort_churn.py, 3 runs in 6 on
+    # 2026-12-05). The second look takes an epoll near the slots whose pipe or listener the
+    # creation opened, never a loop made before or after.
+    import select
+
+    from parallelctx.guard.sockets import FdSlots
+
+    def gloo_like(churned: int | None = None) -> tuple[select.epoll, int, int, socket.socket]:
+        if churned is not None and moved == "epoll":
+            os.close(churned)  # the other thread closes its descriptor as gloo starts
+        epoll = select.epoll()
+        wake_r, wake_w = os.pipe()
+        if churned is not None and moved == "listener":
+            os.close(churned)  # ... or just before gloo's listener
+        listener = socket.create_server(("127.0.0.1", 0))
+        epoll.register(wake_r, select.EPOLLIN)
+        epoll.register(listener.fileno(), select.EPOLLIN)
+        return epoll, wake_r, wake_w, listener
+
+    earlier = gloo_like()  # a loop made before (another group's): never taken for this one
+    churned = os.eventfd(0)  # the other thread's, open while the slots are read
+    slots = FdSlots.reserve()
+    ours = gloo_like(churned)
+    opened = slots.opened()
+    later = gloo_like()  # made after (the user's group)
+    try:
+        moved_fd = ours[0].fileno() if moved == "epoll" else ours[3].fileno()
+        assert churned < min(slots.numbers) and moved_fd == churned  # it left the slots
+        found = opened.gloo_loop()
+        assert found is not None
+        assert (found.epoll, found.listener_fd) == (ours[0].fileno(), ours[3].fileno())
+        assert opened.gloo_loop(known={found.listener_inode}) is None  # found before: not found again
+    finally:
+        for epoll, wake_r, wake_w, listener in (earlier, ours, later):
+            epoll.close()
+            listener.close()
+            os.close(wake_r)
+            os.close(wake_w)

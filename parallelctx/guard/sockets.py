@@ -40,6 +40,11 @@ SLOTS = 10
 listener first (4 descriptors), so up to 6 opened meanwhile by other threads still leave them
 among the slots (reading a slot costs a ``dup``; a group not found is logged)."""
 
+_NEAR = 32
+"""How far beyond the lowest and highest slot the second look for a group's loop reaches: another
+thread that closes a descriptor while the group is made frees a number, often just below the
+slots, and gloo may open the loop's epoll there (the first look, among the slots, then misses it)."""
+
 _EPOLL = "anon_inode:[eventpoll]"
 _NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux, where /proc is read
 _TFD = re.compile(
@@ -194,7 +199,11 @@ class GlooLoop:
 
     @classmethod
     def at(
-        cls, fd: int, known: Collection[int] = (), noted: Collection[tuple[int, int]] | None = None
+        cls,
+        fd: int,
+        known: Collection[int] = (),
+        noted: Collection[tuple[int, int]] | None = None,
+        strict: bool = True,
     ) -> GlooLoop | None:
         """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers gloo's
         wake-up pipe and a listening TCP socket (its listener) whose inode is not in ``known``
@@ -202,9 +211,10 @@ class GlooLoop:
         meanwhile in the same slots (a ``selectors`` or asyncio server: no pipe registered) is
         not taken for it; a TCPStore server's libuv loop looks the same: reserve the slots after
         the launch's store exists. With ``noted`` (descriptor, inode) pairs, the loop's wake-up
-        pipe and listener must be among them: an epoll's own inode is the same for every
-        anonymous descriptor, so only what it registers tells one loop from another. Never
-        raises."""
+        pipe and listener must be among them (``strict=False``: one of the two, still holding
+        the file noted): an epoll's own inode is the same for every anonymous descriptor, so only
+        what it registers tells one loop from another, and a pipe's or a socket's inode is its
+        own. Never raises."""
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
                 return None
@@ -218,16 +228,21 @@ class GlooLoop:
             except OSError:
                 continue
         ours = (lambda pair: True) if noted is None else set(noted).__contains__
-        if not any(
-            stat.S_ISFIFO(info.st_mode) and ours((tfd, info.st_ino)) and _anonymous_pipe(tfd)
+        pipes = [
+            (tfd, info.st_ino)
             for tfd, info in modes.items()
-        ):
+            if stat.S_ISFIFO(info.st_mode)
+            and (not strict or ours((tfd, info.st_ino)))
+            and _anonymous_pipe(tfd)
+        ]
+        if not pipes:
             return None  # no wake-up pipe (of the noted descriptors): not gloo's loop (not this group's)
+        pipe_noted = any(ours(pair) for pair in pipes)
         for tfd, inode in registered:
             info = modes.get(tfd)
             if info is None or not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
                 continue  # not a socket, or the number now holds another file
-            if not ours((tfd, inode)):
+            if strict and not ours((tfd, inode)):
                 continue  # opened after the group was made: another group's, or a connection
             if inode in known:
                 return None  # a loop found before
@@ -235,6 +250,8 @@ class GlooLoop:
             # later takes a lower number when another thread freed it meanwhile, and shutting the
             # listener down at abort made gloo's accept fail (EINVAL: std::terminate, SIGABRT).
             if endpoint_of(tfd, inode) is not None:
+                if not (pipe_noted or ours((tfd, inode))):
+                    return None  # neither its pipe nor its listener was opened as the group was made
                 return cls(fd, tfd, inode)
         return None
 
@@ -353,7 +370,9 @@ class Opened:
         listener inodes of loops found before), or None. A noted number may hold another file
         now, and every anonymous descriptor (epoll, eventfd) has the same inode, so a loop is
         taken only when its wake-up pipe and its listener are noted descriptors still holding
-        the file they held (pipes and sockets have inodes of their own). Never raises."""
+        the file they held (pipes and sockets have inodes of their own); failing that, an epoll
+        in a number near the slots whose pipe or listener is such a descriptor (the epoll went to
+        a number another thread freed while the group was made). Never raises."""
         for fd, inode in self.descriptors:
             try:
                 if os.fstat(fd).st_ino != inode:
@@ -361,6 +380,17 @@ class Opened:
             except OSError:
                 continue
             loop = GlooLoop.at(fd, known, self.descriptors)
+            if loop is not None:
+                return loop
+        if not self.descriptors:
+            return None
+        # The second look: another thread closed a descriptor while the group was made and gloo
+        # opened the loop's epoll, pipe or listener in that number, outside the slots. An epoll
+        # near the slots whose pipe or listener is one the group's creation opened is the group's
+        # (a pipe's and a socket's inode is its own; the epoll's is every anonymous one's).
+        numbers = [fd for fd, _ in self.descriptors]
+        for fd in range(max(min(numbers) - _NEAR, 0), max(numbers) + _NEAR + 1):
+            loop = GlooLoop.at(fd, known, self.descriptors, strict=False)
             if loop is not None:
                 return loop
         return None
