@@ -219,6 +219,7 @@ class Pool:
         token = secrets.token_hex(16)
         env = self.environment(os.environ)
         env["PARALLELCTX_POOL_TOKEN"] = token
+        env["PARALLELCTX_POOL_CONTROLLER"] = str(os.getpid())  # a rank ends once it is not its parent
         deadline = time.monotonic() + start_timeout
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
             listener.bind(("127.0.0.1", 0))

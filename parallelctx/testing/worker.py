@@ -4,6 +4,9 @@ The process (the rank's *zygote*) connects back to the controller (the pytest pr
 127.0.0.1:CONTROL_PORT, proves itself with the token in PARALLELCTX_POOL_TOKEN and imports
 torch, pytest and parallelctx. It never runs user code: no conftest, no test module, no
 fixture, no torch op, so it has one thread, no OpenMP pool and no CUDA, and forking it is safe.
+Every wait of the zygote, from its start, looks once a second whether its parent is still the
+controller (whose pid is in PARALLELCTX_POOL_CONTROLLER) and ends the zygote when it is not: the
+connection alone would not tell while a process the controller forked holds its end.
 
 For each ``("fork",)`` it forks a *session child* that does all the user-facing work of the
 rank (:mod:`parallelctx.testing.rank`): starts coverage when the controller measures it,
@@ -81,6 +84,18 @@ def _wait_child(pid: int, controller: int) -> int:
         os.close(fd)
 
 
+def _await(conn: Connection, controller: int) -> bool:
+    """Wait until ``conn`` has a message (or is closed).
+
+    Returns:
+        True when it has; False once this process's parent is no longer ``controller``.
+    """
+    while not conn.poll(_WATCH_S):
+        if os.getppid() != controller:
+            return False
+    return True
+
+
 def _serve(conn: Connection, rank: int, world_size: int, setup: dict[str, Any], controller: int) -> int:
     from .rank import run_session
 
@@ -93,9 +108,8 @@ def _serve(conn: Connection, rank: int, world_size: int, setup: dict[str, Any], 
             "such a thread held"
         )
     while True:
-        while not conn.poll(_WATCH_S):
-            if os.getppid() != controller:
-                return 1
+        if not _await(conn, controller):
+            return 1
         try:
             message = conn.recv()
         except (EOFError, OSError):
@@ -141,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, control_port = int(args[0]), int(args[1]), int(args[2])
     stacks = open(args[3], "w")  # noqa: SIM115 - kept open for faulthandler for the process's life
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    controller = os.getppid()
+    controller = int(os.environ.get("PARALLELCTX_POOL_CONTROLLER") or os.getppid())
+    if os.getppid() != controller:  # it died before this process started
+        return 1
 
     import pytest  # noqa: F401 - warm imports before the first session
     import torch.distributed  # noqa: F401
@@ -154,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     sock.settimeout(None)
     conn = Connection(sock.detach())
     conn.send(("hello", os.environ.get("PARALLELCTX_POOL_TOKEN", ""), rank, os.getpid()))
+    if not _await(conn, controller):
+        return 1
     try:
         message = conn.recv()
     except (EOFError, OSError):
