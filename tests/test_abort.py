@@ -144,6 +144,9 @@ def test_abort_ends_the_all_reduce_while_another_thread_churns_event_loops(tmp_p
     # skeptic-34: with a thread opening event loops during the launch, the guard took that
     # thread's loop for a group's, or a connection for the listener; abort then left the
     # all-reduce waiting, or gloo's accept failed and std::terminate killed the rank (SIGABRT).
+    # A group whose epoll took a number the thread freed outside the slots is not found, by
+    # design (another thread's loop could stand there): that rank warns, and its all-reduce ends
+    # when the absent rank leaves (4 s), never later; every other rank ends within 2 s of abort.
     from torchrun_helpers import run_torchrun
 
     for _ in range(2):
@@ -152,7 +155,8 @@ def test_abort_ends_the_all_reduce_while_another_thread_churns_event_loops(tmp_p
         for rank in range(4):
             row = json.loads((tmp_path / f"rank-{rank}.json").read_text())
             if rank != 3:
-                assert row["raised"] is not None and row["ended_s"] < 1.5 + 2.0, row
+                assert row["raised"] is not None, row
+                assert row["ended_s"] < 1.5 + 2.0 or (row["missed"] and row["ended_s"] < 4.0 + 2.0), row
             assert row["relaunch_sums"] == [4.0, 2.0], row
 
 
@@ -298,25 +302,31 @@ def test_a_loop_found_later_is_the_groups_own_not_one_in_a_number_reused_since()
             os.close(wake_w)
 
 
-@pytest.mark.parametrize("moved", ["epoll", "listener"])
-def test_a_loop_that_took_a_number_another_thread_freed_is_still_found(moved: str) -> None:
+@pytest.mark.parametrize("moved", ["pipe", "listener", "epoll"])
+def test_a_loop_that_took_a_number_another_thread_freed_is_found_or_none_but_never_another(
+    moved: str,
+) -> None:
     # Another thread holds a descriptor at the lowest free number when the slots are read and
-    # closes it while the group is made; gloo's epoll (or its listener) takes that number, below
-    # the slots, and the first look (among the slots) misses the loop: gpc.abort() then left the
-    # group's all-reduce waiting until a peer closed (torchrun_abort_churn.py, 3 runs in 6 on
-    # 2026-12-05). The second look takes an epoll near the slots whose pipe or listener the
-    # creation opened, never a loop made before or after.
+    # closes it while the group is made; gloo's pipe or listener takes that number, below the
+    # slots, and the first look (among the slots) misses the loop: gpc.abort() then left the
+    # group's all-reduce waiting until a peer closed (torchrun_abort_churn.py, 4 runs in 10 on
+    # 2026-12-05). The second look takes the one noted epoll whose pipe or listener the creation
+    # opened. An epoll outside the slots is never taken (another thread's loop could be it), so
+    # a group whose epoll moved is not found: a warning and the group's timeout, not a wrong loop.
     import select
 
     from parallelctx.guard.sockets import FdSlots
 
     def gloo_like(churned: int | None = None) -> tuple[select.epoll, int, int, socket.socket]:
-        if churned is not None and moved == "epoll":
-            os.close(churned)  # the other thread closes its descriptor as gloo starts
+        def free(part: str) -> None:
+            if churned is not None and moved == part:
+                os.close(churned)  # the other thread closes its descriptor now
+
+        free("epoll")
         epoll = select.epoll()
+        free("pipe")
         wake_r, wake_w = os.pipe()
-        if churned is not None and moved == "listener":
-            os.close(churned)  # ... or just before gloo's listener
+        free("listener")
         listener = socket.create_server(("127.0.0.1", 0))
         epoll.register(wake_r, select.EPOLLIN)
         epoll.register(listener.fileno(), select.EPOLLIN)
@@ -329,15 +339,56 @@ def test_a_loop_that_took_a_number_another_thread_freed_is_still_found(moved: st
     opened = slots.opened()
     later = gloo_like()  # made after (the user's group)
     try:
-        moved_fd = ours[0].fileno() if moved == "epoll" else ours[3].fileno()
+        moved_fd = {"epoll": ours[0].fileno(), "pipe": ours[1], "listener": ours[3].fileno()}[moved]
         assert churned < min(slots.numbers) and moved_fd == churned  # it left the slots
         found = opened.gloo_loop()
-        assert found is not None
-        assert (found.epoll, found.listener_fd) == (ours[0].fileno(), ours[3].fileno())
-        assert opened.gloo_loop(known={found.listener_inode}) is None  # found before: not found again
+        if moved == "epoll":
+            assert found is None
+        else:
+            assert found is not None
+            assert (found.epoll, found.listener_fd) == (ours[0].fileno(), ours[3].fileno())
+            assert opened.gloo_loop(known={found.listener_inode}) is None  # found before: not found again
     finally:
         for epoll, wake_r, wake_w, listener in (earlier, ours, later):
             epoll.close()
             listener.close()
             os.close(wake_r)
             os.close(wake_w)
+
+
+def test_another_threads_loop_whose_epoll_took_a_freed_number_is_never_taken() -> None:
+    # skeptic, 2026-12-05: user code closes a file and starts a TCPStore server (a libuv loop: an
+    # epoll, a wake-up pipe, a listener) while gpc makes its world group; the server's epoll takes
+    # the freed number below the slots, its pipe and listener take slots, and the group's loop
+    # (made after) has its listener beyond the slots. A second look over the numbers near the
+    # slots took the server's loop, so gpc.abort() shut the user's store down and left the
+    # all-reduce waiting. Only the group's own epoll (a noted slot) may be taken.
+    import select
+
+    from parallelctx.guard.sockets import FdSlots
+
+    hole = os.open(os.devnull, os.O_RDONLY)
+    slots = FdSlots.reserve()
+    os.close(hole)
+    theirs_epoll = select.epoll()  # the user's loop: its epoll in the freed number
+    theirs_r, theirs_w = os.pipe()
+    theirs_listener = socket.create_server(("127.0.0.1", 0))
+    theirs_epoll.register(theirs_r, select.EPOLLIN)
+    theirs_epoll.register(theirs_listener.fileno(), select.EPOLLIN)
+    ours_epoll = select.epoll()  # the group's, in the slots after it
+    ours_r, ours_w = os.pipe()
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(max(slots.numbers) - ours_w)]
+    ours_listener = socket.create_server(("127.0.0.1", 0))  # beyond the slots
+    ours_epoll.register(ours_r, select.EPOLLIN)
+    ours_epoll.register(ours_listener.fileno(), select.EPOLLIN)
+    opened = slots.opened()
+    try:
+        assert theirs_epoll.fileno() == hole and ours_listener.fileno() > max(slots.numbers)
+        found = opened.gloo_loop()
+        assert found is not None
+        assert (found.epoll, found.listener_fd) == (ours_epoll.fileno(), ours_listener.fileno())
+    finally:
+        for fd in [*fillers, theirs_r, theirs_w, ours_r, ours_w]:
+            os.close(fd)
+        for thing in (theirs_epoll, theirs_listener, ours_epoll, ours_listener):
+            thing.close()

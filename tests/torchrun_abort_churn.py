@@ -6,12 +6,14 @@ guard reads for each group's gloo loop, and the gloo groups connect as made
 (``dist.gloo_lazy_init=False``: connections made after another thread freed a lower number).
 Then ranks 0-2 all-reduce over the world while rank 3 stays away, and each calls
 ``gpc.abort()`` 1.5 s in. Writes OUT/rank-<R>.json: whether and when the all-reduce raised,
-and a relaunch's all-reduce over the world and the tensor group.
+a relaunch's all-reduce over the world and the tensor group, and the guard's warnings that a
+group's loop was not found.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import selectors
 import socket
 import sys
@@ -43,6 +45,14 @@ def churn(stop: threading.Event) -> None:
 def main() -> int:
     """Run one rank; return 0 (the test reads the JSON files)."""
     out = Path(sys.argv[1])
+    missed: list[str] = []  # the guard's warnings that a group's loop was not found, on this rank
+
+    class Missed(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "was not found" in record.getMessage():
+                missed.append(record.getMessage())
+
+    logging.getLogger("parallelctx").addHandler(Missed())
     stop = threading.Event()
     thread = threading.Thread(target=churn, args=(stop,), daemon=True)
     thread.start()
@@ -50,7 +60,7 @@ def main() -> int:
     stop.set()
     thread.join()
     rank = gpc.get_global_rank()
-    record: dict = {"rank": rank, "raised": None, "ended_s": None}
+    record: dict = {"rank": rank, "raised": None, "ended_s": None, "missed": missed}
     if rank != 3:
         timer = threading.Timer(1.5, gpc.abort)
         timer.start()

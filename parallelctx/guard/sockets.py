@@ -40,11 +40,6 @@ SLOTS = 10
 listener first (4 descriptors), so up to 6 opened meanwhile by other threads still leave them
 among the slots (reading a slot costs a ``dup``; a group not found is logged)."""
 
-_NEAR = 32
-"""How far beyond the lowest and highest slot the second look for a group's loop reaches: another
-thread that closes a descriptor while the group is made frees a number, often just below the
-slots, and gloo may open the loop's epoll there (the first look, among the slots, then misses it)."""
-
 _EPOLL = "anon_inode:[eventpoll]"
 _NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux, where /proc is read
 _TFD = re.compile(
@@ -370,9 +365,9 @@ class Opened:
         listener inodes of loops found before), or None. A noted number may hold another file
         now, and every anonymous descriptor (epoll, eventfd) has the same inode, so a loop is
         taken only when its wake-up pipe and its listener are noted descriptors still holding
-        the file they held (pipes and sockets have inodes of their own); failing that, an epoll
-        in a number near the slots whose pipe or listener is such a descriptor (the epoll went to
-        a number another thread freed while the group was made). Never raises."""
+        the file they held (pipes and sockets have inodes of their own); failing that, the one
+        noted epoll whose pipe or listener is such a descriptor (the other went to a number
+        another thread freed while the group was made). Never raises."""
         for fd, inode in self.descriptors:
             try:
                 if os.fstat(fd).st_ino != inode:
@@ -382,15 +377,16 @@ class Opened:
             loop = GlooLoop.at(fd, known, self.descriptors)
             if loop is not None:
                 return loop
-        if not self.descriptors:
-            return None
         # The second look: another thread closed a descriptor while the group was made and gloo
-        # opened the loop's epoll, pipe or listener in that number, outside the slots. An epoll
-        # near the slots whose pipe or listener is one the group's creation opened is the group's
-        # (a pipe's and a socket's inode is its own; the epoll's is every anonymous one's).
-        numbers = [fd for fd, _ in self.descriptors]
-        for fd in range(max(min(numbers) - _NEAR, 0), max(numbers) + _NEAR + 1):
-            loop = GlooLoop.at(fd, known, self.descriptors, strict=False)
-            if loop is not None:
-                return loop
-        return None
+        # opened the loop's pipe or listener in that number, outside the slots. An epoll in a
+        # noted slot whose pipe or listener is a noted descriptor (a pipe's and a socket's inode
+        # is its own; the epoll's is every anonymous one's) is the group's, when it is the only
+        # one: an event loop another thread made meanwhile may match too, and then none is taken.
+        # An epoll outside the slots is never taken: another thread's loop whose epoll took a
+        # freed number and whose pipe and listener took slots would pass for the group's.
+        found = [
+            loop
+            for fd, _ in self.descriptors
+            if (loop := GlooLoop.at(fd, known, self.descriptors, strict=False)) is not None
+        ]
+        return found[0] if len(found) == 1 else None
