@@ -194,11 +194,7 @@ class GlooLoop:
 
     @classmethod
     def at(
-        cls,
-        fd: int,
-        known: Collection[int] = (),
-        noted: Collection[tuple[int, int]] | None = None,
-        strict: bool = True,
+        cls, fd: int, known: Collection[int] = (), noted: Collection[tuple[int, int]] | None = None
     ) -> GlooLoop | None:
         """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers gloo's
         wake-up pipe and a listening TCP socket (its listener) whose inode is not in ``known``
@@ -206,10 +202,9 @@ class GlooLoop:
         meanwhile in the same slots (a ``selectors`` or asyncio server: no pipe registered) is
         not taken for it; a TCPStore server's libuv loop looks the same: reserve the slots after
         the launch's store exists. With ``noted`` (descriptor, inode) pairs, the loop's wake-up
-        pipe and listener must be among them (``strict=False``: one of the two, still holding
-        the file noted): an epoll's own inode is the same for every anonymous descriptor, so only
-        what it registers tells one loop from another, and a pipe's or a socket's inode is its
-        own. Never raises."""
+        pipe and listener must be among them: an epoll's own inode is the same for every
+        anonymous descriptor, so only what it registers tells one loop from another. Never
+        raises."""
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
                 return None
@@ -223,21 +218,16 @@ class GlooLoop:
             except OSError:
                 continue
         ours = (lambda pair: True) if noted is None else set(noted).__contains__
-        pipes = [
-            (tfd, info.st_ino)
+        if not any(
+            stat.S_ISFIFO(info.st_mode) and ours((tfd, info.st_ino)) and _anonymous_pipe(tfd)
             for tfd, info in modes.items()
-            if stat.S_ISFIFO(info.st_mode)
-            and (not strict or ours((tfd, info.st_ino)))
-            and _anonymous_pipe(tfd)
-        ]
-        if not pipes:
+        ):
             return None  # no wake-up pipe (of the noted descriptors): not gloo's loop (not this group's)
-        pipe_noted = any(ours(pair) for pair in pipes)
         for tfd, inode in registered:
             info = modes.get(tfd)
             if info is None or not stat.S_ISSOCK(info.st_mode) or info.st_ino != inode:
                 continue  # not a socket, or the number now holds another file
-            if strict and not ours((tfd, inode)):
+            if not ours((tfd, inode)):
                 continue  # opened after the group was made: another group's, or a connection
             if inode in known:
                 return None  # a loop found before
@@ -245,8 +235,6 @@ class GlooLoop:
             # later takes a lower number when another thread freed it meanwhile, and shutting the
             # listener down at abort made gloo's accept fail (EINVAL: std::terminate, SIGABRT).
             if endpoint_of(tfd, inode) is not None:
-                if not (pipe_noted or ours((tfd, inode))):
-                    return None  # neither its pipe nor its listener was opened as the group was made
                 return cls(fd, tfd, inode)
         return None
 
@@ -365,9 +353,7 @@ class Opened:
         listener inodes of loops found before), or None. A noted number may hold another file
         now, and every anonymous descriptor (epoll, eventfd) has the same inode, so a loop is
         taken only when its wake-up pipe and its listener are noted descriptors still holding
-        the file they held (pipes and sockets have inodes of their own); failing that, the one
-        noted epoll whose pipe or listener is such a descriptor (the other went to a number
-        another thread freed while the group was made). Never raises."""
+        the file they held (pipes and sockets have inodes of their own). Never raises."""
         for fd, inode in self.descriptors:
             try:
                 if os.fstat(fd).st_ino != inode:
@@ -377,16 +363,4 @@ class Opened:
             loop = GlooLoop.at(fd, known, self.descriptors)
             if loop is not None:
                 return loop
-        # The second look: another thread closed a descriptor while the group was made and gloo
-        # opened the loop's pipe or listener in that number, outside the slots. An epoll in a
-        # noted slot whose pipe or listener is a noted descriptor (a pipe's and a socket's inode
-        # is its own; the epoll's is every anonymous one's) is the group's, when it is the only
-        # one: an event loop another thread made meanwhile may match too, and then none is taken.
-        # An epoll outside the slots is never taken: another thread's loop whose epoll took a
-        # freed number and whose pipe and listener took slots would pass for the group's.
-        found = [
-            loop
-            for fd, _ in self.descriptors
-            if (loop := GlooLoop.at(fd, known, self.descriptors, strict=False)) is not None
-        ]
-        return found[0] if len(found) == 1 else None
+        return None
