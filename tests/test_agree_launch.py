@@ -186,20 +186,30 @@ class Counting(dist.Store):
         self._count("multi_get", keys)
         return self.inner.multi_get(keys)
 
+    def compare_set(self, key: str, expected: object, desired: object) -> bytes:
+        self._count("compare_set", [key])
+        return self.inner.compare_set(key, expected, desired)
 
-def test_a_rank_that_came_before_rank_0_reads_the_last_launchs_verdict_once(server: dist.TCPStore) -> None:
-    """A relaunch on the same store: ranks 1-3 come before rank 0 and find the last launch's
-    prefix posted. Each answers it, reads its verdict once (final: it went on without this rank),
-    and from then on polls only the posted prefix, with no check before it, until rank 0 posts the
-    new one; every rank then meets under the new prefix."""
-    assert all(r[0] == "parallelctx/launch-1/" for r in one_round(server, 4, attempt=0, late={}))
+
+def test_a_rank_that_came_before_rank_0_never_answers_the_last_launchs_prefix_again(
+    server: dist.TCPStore,
+) -> None:
+    """A relaunch on the same store, ranks 1-3 before rank 0, finding the last launch's prefix
+    posted. That launch had 3 ranks: ranks 1 and 2 answered it then, so they find their answer
+    slot taken (one compare-and-set), never read its verdict and never count as answering it;
+    rank 3, new, answers it, reads its verdict once (final: it went on without this rank). From
+    then on each polls only the posted prefix, with no check before it, until rank 0 posts the new
+    one; every rank then meets under the new prefix."""
+    assert all(r[0] == "parallelctx/launch-1/" for r in one_round(server, 3, attempt=0, late={}))
     stores = [Counting(client(server)) for _ in range(4)]
     results: list = [None] * 4
 
     def rank_main(rank: int) -> None:
-        if rank == 0:  # once every other rank has answered the last launch's prefix, and a while more
+        if rank == 0:  # once every other rank has read the last launch's prefix, and a while more
             deadline = time.monotonic() + 20
-            while server.add("parallelctx/launch-1/answers", 0) < 6 and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not all(
+                stores[r].calls.get(("compare_set", f"parallelctx/launch-1/answer/{r}")) for r in (1, 2, 3)
+            ):
                 time.sleep(0.01)
             time.sleep(0.3)
         try:
@@ -213,8 +223,11 @@ def test_a_rank_that_came_before_rank_0_reads_the_last_launchs_verdict_once(serv
     for t in threads:
         t.join(30)
     assert all(r == ("parallelctx/launch-2/", ["h1"] * 4) for r in results), results
+    assert server.add("parallelctx/launch-1/answers", 0) == 3  # ranks 1 and 2 in launch 1, rank 3 now
     for rank in (1, 2, 3):
         calls = stores[rank].calls
-        assert calls.get(("get", "parallelctx/launch-1/confirmed")) == 1, (rank, calls)
+        assert calls[("compare_set", f"parallelctx/launch-1/answer/{rank}")] == 1, (rank, calls)
+        read = calls.get(("get", "parallelctx/launch-1/confirmed"))
+        assert read == (1 if rank == 3 else None), (rank, calls)
         assert calls.get(("check", "parallelctx/leader")) == 1, (rank, calls)
         assert calls[("get", "parallelctx/leader")] >= 3, (rank, calls)  # polled while rank 0 was away

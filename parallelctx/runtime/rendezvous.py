@@ -601,6 +601,8 @@ def _follow(
     answer = pickle.dumps((nonce, arrival))
     count = 1 + (REFUSED if arrival.error is not None else 0)
     answered: str | None = None
+    paired: int | None = None  # rank 0's generation at the prefix answered
+    stale: str | None = None  # a prefix this rank answered in an earlier launch
     behind: int | None = None  # rank 0's generation when it is at another launch than this rank
     own = generation
     pauses = _pauses(world_size)
@@ -619,16 +621,21 @@ def _follow(
                     if not _in_step(theirs, generation):
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
                         now = 0.0  # and read again at the next poll
-                    elif prefix != answered:
+                    elif prefix != answered and prefix != stale:
                         behind = None
-                        if theirs is not None and theirs != own:
-                            adopt(theirs)  # pairs with rank 0's launch: its count is ours from now
-                        post(prefix)
-                        store.set(f"{prefix}answer/{rank}", answer)
-                        if arrival.error is not None:
-                            store.set(prefix + "refusal", str(rank).encode())
-                        store.add(prefix + "answers", count)
-                        answered = prefix
+                        # Each rank answers a prefix once, ever: an answer already there is an
+                        # earlier launch's of this rank (this process's, or the process it took
+                        # over), so the prefix is stale, and answering it again would let rank 0,
+                        # still telling that launch's refusal, refuse this launch with it.
+                        if store.compare_set(f"{prefix}answer/{rank}", b"", answer) != answer:
+                            stale = prefix
+                            now = 0.0  # read the posted prefix at every poll until rank 0 posts ours
+                        else:
+                            post(prefix)
+                            if arrival.error is not None:
+                                store.set(prefix + "refusal", str(rank).encode())
+                            store.add(prefix + "answers", count)
+                            answered, paired = prefix, theirs
                     reread = now + _SLICE_S if now else 0.0
                 if answered is not None and answered == past:
                     reread = 0.0  # read the posted prefix at every poll until rank 0 posts this launch's
@@ -637,6 +644,8 @@ def _follow(
                     if len(verdict.nonces) == world_size - 1 and verdict.nonces[rank - 1] == nonce:
                         if verdict.problem is not None:  # rank 0 waits for every rank to read a refusal
                             store.add(answered + "read", 1)
+                        if paired is not None and paired != own:
+                            adopt(paired)  # paired with rank 0's launch: its count is ours from now
                         return answered, verdict
                     if verdict.problem is None:  # posted once, when every rank had answered
                         past = answered
