@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from torchrun_helpers import run_torchrun
+from torchrun_helpers import run_torchrun, run_torchrun_env
 
 pytestmark = pytest.mark.faults
 
@@ -85,6 +85,35 @@ def test_every_rank_aborted_mid_launch_at_different_times_then_relaunches(tmp_pa
     print(
         f"seed {seed}: 20 cycles x 4 ranks relaunched, slowest {slowest:.2f} s; {told} times a rank was told a peer abandoned its attempt"
     )
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("seed", [104, 206, 301])
+def test_six_ranks_aborted_in_the_first_fraction_of_their_launch_stay_in_step(
+    tmp_path: Path, seed: int
+) -> None:
+    # 6 ranks, each aborting 0-0.15 s into its launch, 10 cycles: some aborts come before a
+    # rank's launch begins, so that launch goes on while its peers abandoned it (with these
+    # seeds, rank 5 at 0.2 ms, rank 0 at 1.3 ms and rank 5 at 0.9 ms in the first cycle). The
+    # rank behind stops at once, told by a rank ahead (or, a follower, finding rank 0 ahead),
+    # and the next launch pairs: every relaunch sums as the serial reference. Before, these runs
+    # went out of step for good: one rank sat out dist.timeout, and every cycle after it failed.
+    # Lazy gloo: with eager gloo a rank can also sit in gloo's pair connect well past
+    # dist.timeout when its peers aborted after agreeing to connect (docs/reliability.md, open).
+    proc = run_torchrun_env(
+        6,
+        ["tests/torchrun_abort_launch_race.py", str(tmp_path), str(seed), "10", "0.15"],
+        {"TORCH_GLOO_LAZY_INIT": "1"},
+        timeout=380,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in rows] == list(range(6)), proc.stdout[-3000:]
+    for row in rows:  # tensor=2: data groups {0, 2, 4}, {1, 3, 5}
+        assert len(row["cycles"]) == 10
+        for cycle in row["cycles"]:
+            assert cycle["relaunch"] == [9.0 + 3.0 * (row["rank"] % 2), 21.0], (row["rank"], cycle)
+            assert cycle["relaunch_s"] < 10.0, (row["rank"], cycle)
 
 
 @pytest.mark.timeout(200)

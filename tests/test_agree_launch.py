@@ -231,3 +231,60 @@ def test_a_rank_that_came_before_rank_0_never_answers_the_last_launchs_prefix_ag
         assert read == (1 if rank == 3 else None), (rank, calls)
         assert calls.get(("check", "parallelctx/leader")) == 1, (rank, calls)
         assert calls[("get", "parallelctx/leader")] >= 3, (rank, calls)  # polled while rank 0 was away
+
+
+def meet_with_generations(
+    server: dist.TCPStore, plans: dict[int, list[int | None]], late: dict[int, float], timeout: timedelta
+) -> list[list[tuple[object, float]]]:
+    """Rank r (a thread with its own client) meets once per entry of ``plans[r]``, one after the
+    other, with that launch generation, starting ``late[r]`` s late; returns per rank, per
+    meeting, the (prefix, hosts) or the exception, and the seconds it took."""
+    results: list[list[tuple[object, float]]] = [[] for _ in plans]
+
+    def rank_main(rank: int) -> None:
+        time.sleep(late.get(rank, 0.0))
+        store = client(server)
+        for generation in plans[rank]:
+            began = time.monotonic()
+            try:
+                got: object = meet(
+                    store, Arrival(rank, "h"), len(plans), timeout, "test", None, None, generation
+                )
+            except Exception as exc:  # recorded, the test asserts on it
+                got = exc
+            results[rank].append((got, time.monotonic() - began))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    return results
+
+
+def test_rank_0_behind_another_rank_stops_at_once_and_its_next_launch_pairs(server: dist.TCPStore) -> None:
+    """Rank 0 goes on with its 1st launch (its gpc.abort() came before the launch began, so the
+    launch never saw it) while ranks 1 and 2 aborted theirs and launched again: rank 0's 1st
+    launch can never pair with them. A rank at its 2nd tells rank 0, which stops at once (not at
+    its timeout), naming that rank; rank 0's 2nd launch then pairs with theirs."""
+    short = timedelta(seconds=8)
+    results = meet_with_generations(server, {0: [1, 2], 1: [2], 2: [2]}, {1: 0.3, 2: 0.3}, short)
+    (error, took), (second, _) = results[0]
+    assert isinstance(error, RendezvousError), results
+    assert len(error.ranks) == 1 and f"rank {error.ranks[0]} is at its 2nd already" in str(error), error
+    assert took < 3.0, results  # told, not timed out
+    assert second == ("parallelctx/launch-2/", ["h"] * 3), results
+    assert [r[0][0] for r in results[1:]] == [second, second], results
+
+
+def test_a_rank_finding_rank_0_past_its_launch_stops_at_once(server: dist.TCPStore) -> None:
+    """Rank 1 makes its 1st launch while rank 0 has posted its 2nd (rank 0 abandoned the 1st):
+    rank 1 stops at once, naming rank 0, instead of waiting its timeout for a launch of rank 0's
+    that never comes; its next launch, pairing with any, meets rank 0's."""
+    short = timedelta(seconds=8)
+    results = meet_with_generations(server, {0: [2], 1: [1, None]}, {1: 0.3}, short)
+    (error, took), (second, _) = results[1]
+    assert isinstance(error, RendezvousError), results
+    assert "rank 0 is at its 2nd already" in str(error) and error.ranks == (0,), error
+    assert took < 2.0, results
+    assert second == results[0][0][0] == ("parallelctx/launch-1/", ["h"] * 2), results

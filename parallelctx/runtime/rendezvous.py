@@ -65,6 +65,10 @@ REFUSED = 1 << 32
 # Added to a launch prefix's answer count by a rank that abandoned that attempt after answering
 # (parallelctx.runtime.bell.abandon): a multiple of REFUSED, so answers modulo REFUSED still count.
 ABANDONED = 1 << 48
+# Added once (the first rank to set the prefix's "ahead" key) to a launch prefix's answer count by
+# a rank at a later launch of its process than rank 0's: rank 0's launch can never pair with it.
+# Above 256 refusals a count reaches this band too, so rank 0 reads the key to tell them apart.
+AHEAD = 1 << 40
 
 logger = logging.getLogger("parallelctx")
 
@@ -452,6 +456,8 @@ def _lead(
     while True:
         try:
             return _lead_once(store, arrival, world_size, seconds, where, deadline, posting, generation)
+        except _Ahead as ahead:
+            raise RendezvousError(str(ahead), ahead.ranks, where) from None
         except _Abandoned as gone:
             logger.warning("parallelctx: %s; rank 0 posts a new launch prefix", gone)
             deadline = max(deadline, time.monotonic() + seconds)
@@ -506,6 +512,9 @@ def _lead_once(
                 )
             if count < REFUSED:
                 return
+            if count >= AHEAD and store.check([prefix + "ahead"]):
+                ahead, _, at = store.get(prefix + "ahead").decode().partition(" ")
+                raise _Ahead(int(ahead), int(at), generation or 0, where)
             bad = int(store.get(prefix + "refusal"))  # set before the count says a rank refused
             theirs: Arrival = pickle.loads(store.get(f"{prefix}answer/{bad}"))[1]
             why = f"rank {bad} (host {theirs.host}) refused to launch, so every rank stops: {theirs.error}"
@@ -537,6 +546,22 @@ def _lead_once(
         if problem is not None:
             _linger(store, prefix, world_size, deadline)
     return prefix, verdict
+
+
+class _Ahead(RendezvousError):
+    """A rank is at a later launch of its process than rank 0 (it told rank 0 so through the
+    prefix's answer count): rank 0's launch can never pair with it, so it stops at once."""
+
+    def __init__(self, rank: int, theirs: int, ours: int, where: str) -> None:
+        super().__init__(
+            f"rank 0 cannot make the {_nth(ours)} launch of its process with rank {rank}: rank "
+            f"{rank} is at its {_nth(theirs)} already (rank 0 went on with a launch the others "
+            "abandoned, for example after a gpc.abort() that came before its launch began, or "
+            "launched fewer times than they did); the ranks of a job launch in step, and rank 0's "
+            "next launch pairs with theirs",
+            (rank,),
+            where,
+        )
 
 
 class _Refused(RendezvousError):
@@ -611,6 +636,8 @@ def _follow(
     # A prefix whose verdict went on without this rank's nonce (an earlier launch's, read before
     # rank 0 posted this one): such a verdict is final, so it is not read again.
     past: str | None = None
+    past_ours = False  # rank 0 posted a later launch of its process than this rank's
+    told: str | None = None  # the prefix of an earlier launch of rank 0's told that this rank is ahead
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
         while True:
             try:
@@ -621,6 +648,11 @@ def _follow(
                     if not _in_step(theirs, generation):
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
                         now = 0.0  # and read again at the next poll
+                        past_ours = theirs is not None and generation is not None and theirs > generation
+                        if not past_ours and prefix != told:  # rank 0 is behind: tell it, once
+                            told, mark = prefix, f"{rank} {generation}".encode()
+                            if store.compare_set(prefix + "ahead", b"", mark) == mark:
+                                store.add(prefix + "answers", AHEAD)
                     elif prefix != answered and prefix != stale:
                         behind = None
                         # Each rank answers a prefix once, ever: an answer already there is an
@@ -652,6 +684,8 @@ def _follow(
                     reread = 0.0  # an earlier launch's prefix, or a refusal told before this rank answered
             except Exception as exc:
                 raise _lost(rank, where, exc) from None
+            if past_ours:  # rank 0's launches only count up: the one this rank makes never comes
+                raise _gone_past(rank, behind or 0, generation or 0, where)
             now = time.monotonic()
             if now >= deadline:
                 # Under the prefix this rank answered, the ranks that did not answer; when all did
@@ -691,6 +725,19 @@ def _out_of_step(
         "only with the other ranks' launches after theirs, so that no rank's relaunch meets "
         "another rank's attempt that is still to be aborted); this rank's next launch pairs with "
         "whichever launch rank 0 is at then and takes its count, so a retry brings it back in step",
+        (0,),
+        where,
+    )
+
+
+def _gone_past(rank: int, theirs: int, ours: int, where: str) -> RendezvousError:
+    """The error of a rank that found rank 0 already at a later launch than its own."""
+    return RendezvousError(
+        f"rank {rank} cannot wait at {where} for rank 0 to make the {_nth(ours)} launch of its "
+        f"process, as this rank does: rank 0 is at its {_nth(theirs)} already (it abandoned the "
+        "launch this rank meant to pair with, after gpc.abort() or an error on rank 0, or that "
+        "launch ran out of time without this rank); the ranks of a job launch in step, and this "
+        "rank's next launch pairs with whichever launch rank 0 is at then and takes its count",
         (0,),
         where,
     )
