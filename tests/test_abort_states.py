@@ -98,11 +98,12 @@ def test_six_ranks_aborted_in_the_first_fraction_of_their_launch_stay_in_step(
     # rank behind stops at once, told by a rank ahead (or, a follower, finding rank 0 ahead),
     # and the next launch pairs: every relaunch sums as the serial reference. Before, these runs
     # went out of step for good: one rank sat out dist.timeout, and every cycle after it failed.
-    # Lazy gloo: with eager gloo a rank can also sit in gloo's pair connect well past
+    # After one plain launch: a process's first launch cannot tell rank 0 gone past it from a
+    # prefix an earlier job left (it waits; an abort lost there costs one dist.timeout). Lazy gloo: with eager gloo a rank can also sit in gloo's pair connect well past
     # dist.timeout when its peers aborted after agreeing to connect (docs/reliability.md, open).
     proc = run_torchrun_env(
         6,
-        ["tests/torchrun_abort_launch_race.py", str(tmp_path), str(seed), "10", "0.15"],
+        ["tests/torchrun_abort_launch_race.py", str(tmp_path), str(seed), "10", "0.15", "warm"],
         {"TORCH_GLOO_LAZY_INIT": "1"},
         timeout=380,
     )

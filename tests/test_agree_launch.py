@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallelctx.rendezvous import Arrival, RendezvousError, agree_launch, meet
+from parallelctx.rendezvous import Arrival, Lineage, RendezvousError, agree_launch, meet
 
 TIMEOUT = timedelta(seconds=20)
 
@@ -236,19 +236,28 @@ def test_a_rank_that_came_before_rank_0_never_answers_the_last_launchs_prefix_ag
 def meet_with_generations(
     server: dist.TCPStore, plans: dict[int, list[int | None]], late: dict[int, float], timeout: timedelta
 ) -> list[list[tuple[object, float]]]:
-    """Rank r (a thread with its own client) meets once per entry of ``plans[r]``, one after the
+    """Rank r (a thread with its own client and lineage: one process) meets once per entry of ``plans[r]``, one after the
     other, with that launch generation, starting ``late[r]`` s late; returns per rank, per
     meeting, the (prefix, hosts) or the exception, and the seconds it took."""
     results: list[list[tuple[object, float]]] = [[] for _ in plans]
 
     def rank_main(rank: int) -> None:
         time.sleep(late.get(rank, 0.0))
-        store = client(server)
+        store, lineage = client(server), Lineage()  # one process
         for generation in plans[rank]:
             began = time.monotonic()
             try:
                 got: object = meet(
-                    store, Arrival(rank, "h"), len(plans), timeout, "test", None, None, generation
+                    store,
+                    Arrival(rank, "h"),
+                    len(plans),
+                    timeout,
+                    "test",
+                    None,
+                    None,
+                    generation,
+                    None,
+                    lineage,
                 )
             except Exception as exc:  # recorded, the test asserts on it
                 got = exc
@@ -277,14 +286,29 @@ def test_rank_0_behind_another_rank_stops_at_once_and_its_next_launch_pairs(serv
     assert [r[0][0] for r in results[1:]] == [second, second], results
 
 
-def test_a_rank_finding_rank_0_past_its_launch_stops_at_once(server: dist.TCPStore) -> None:
-    """Rank 1 makes its 1st launch while rank 0 has posted its 2nd (rank 0 abandoned the 1st):
+def test_a_rank_finding_the_rank_0_it_met_past_its_launch_stops_at_once(server: dist.TCPStore) -> None:
+    """Rank 1 met rank 0 at their 1st launch; then rank 0 abandoned a 1st-launch attempt and
+    posted its 2nd while rank 1 still makes its 1st (its abort came before that launch began):
     rank 1 stops at once, naming rank 0, instead of waiting its timeout for a launch of rank 0's
-    that never comes; its next launch, pairing with any, meets rank 0's."""
+    that never comes; its next launch, pairing with any, meets rank 0's 2nd."""
     short = timedelta(seconds=8)
-    results = meet_with_generations(server, {0: [2], 1: [1, None]}, {1: 0.3}, short)
-    (error, took), (second, _) = results[1]
+    results = meet_with_generations(server, {0: [1, 2], 1: [1, 1, None]}, {}, short)
+    assert results[0][0][0] == results[1][0][0] == ("parallelctx/launch-1/", ["h"] * 2), results
+    (error, took), (second, _) = results[1][1:]
     assert isinstance(error, RendezvousError), results
     assert "rank 0 is at its 2nd already" in str(error) and error.ranks == (0,), error
     assert took < 2.0, results
-    assert second == results[0][0][0] == ("parallelctx/launch-1/", ["h"] * 2), results
+    assert second == results[0][1][0] == ("parallelctx/launch-2/", ["h"] * 2), results
+
+
+def test_a_new_process_waits_for_the_new_rank_0_past_a_prefix_an_earlier_job_left(
+    server: dist.TCPStore,
+) -> None:
+    """A torchrun restart at a world size never used on the store: the new processes' first
+    launches are their 1st, while the store's leader key still holds the old rank 0's prefix at
+    its 3rd. The new rank 1 comes first; it never met that rank 0, so it waits for the new one
+    (which posts its 1st) and pairs, rather than stopping at the old count."""
+    old = {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
+    assert all(r[2][0][0] == "parallelctx/launch-3/" for r in meet_with_generations(server, old, {}, TIMEOUT))
+    results = meet_with_generations(server, {0: [1], 1: [1]}, {0: 0.5}, timedelta(seconds=8))
+    assert [r[0][0] for r in results] == [("parallelctx/launch-4/", ["h"] * 2)] * 2, results

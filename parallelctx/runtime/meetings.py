@@ -35,7 +35,7 @@ from ..guard.core import Guard
 from ..guard.sockets import FdSlots
 from .bell import Abandoned, Bell, Line, abandon
 from .groups import connects_at_creation
-from .rendezvous import Arrival, RendezvousError, connect_store, meet, rank_list
+from .rendezvous import Arrival, Lineage, RendezvousError, connect_store, meet, rank_list
 
 __all__ = ["REFUSAL_GRACE_S", "DefaultGroup", "Meetings", "init_default_group", "url_of"]
 
@@ -92,6 +92,7 @@ class Meetings:
         # (rank, world_size) whose last meeting ran out of time or was refused: the next launch as
         # that rank pairs with any generation
         self._lost_step: tuple[int, int] | None = None
+        self._lineage = Lineage()  # this process's id, and the rank 0 process it met last
 
     def carry(self, url: str, rank: int, world_size: int, new_rank: int, new_world_size: int) -> bool:
         """Let the next launch as rank ``new_rank`` of ``new_world_size`` at ``url`` use the store
@@ -242,7 +243,7 @@ class Meetings:
             self._generation_of = ((theirs, rank, world_size), theirs)
 
         prefix, hosts = meet(
-            kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt
+            kv, arrival, world_size, timeout, shown(url), deadline, posted, generation, adopt, self._lineage
         )
         meeting = dist.PrefixStore(prefix, kv)
         if arrival.error is None and world_size > 1:

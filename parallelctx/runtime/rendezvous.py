@@ -36,6 +36,7 @@ import torch.distributed as dist
 __all__ = [
     "ABANDONED",
     "Arrival",
+    "Lineage",
     "RendezvousError",
     "agree_launch",
     "connect_store",
@@ -114,6 +115,18 @@ class Arrival:
     host: str
     values: Mapping[str, Any] = field(default_factory=dict)
     error: str | None = None
+
+
+@dataclass
+class Lineage:
+    """Which processes met: ``me``, this process's id (rank 0 posts it with each prefix), and
+    ``rank0``, the id of the rank 0 process whose verdict this process last accepted (None until
+    then; :func:`meet` updates it). A rank finding rank 0 at a later launch than its own stops at
+    once only when that rank 0 is the process it met before: a prefix left by an earlier job's
+    rank 0 (a torchrun restart at another world size) says nothing about the rank 0 to come."""
+
+    me: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    rank0: str | None = None
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -347,6 +360,7 @@ def meet(
     on_post: Callable[[str], None] | None = None,
     generation: int | None = None,
     on_adopt: Callable[[int], None] | None = None,
+    lineage: Lineage | None = None,
 ) -> tuple[str, list[str]]:
     """Meet every rank of ``world_size`` on ``store`` in one round trip: agree on a key prefix no
     earlier launch on the store used, and check every rank's ``arrival`` (its values, or the
@@ -375,7 +389,8 @@ def meet(
     either is None: ranks that abort and relaunch on their own thus pair relaunch with relaunch,
     never one rank's relaunch with another's attempt that is still to be aborted. A rank whose
     first launch pairs with any generation (a replaced rank) takes rank 0's
-    (``on_adopt(generation)``), so that it launches in step from then on.
+    (``on_adopt(generation)``), so that it launches in step from then on. ``lineage`` (default: a
+    new one) names this process to the others and remembers the rank 0 it met.
 
     Returns:
         The prefix (the same on every rank) and every rank's host name in rank order. A rank
@@ -391,8 +406,11 @@ def meet(
     seconds = timeout.total_seconds()
     deadline = time.monotonic() + seconds if deadline is None else deadline
     post = on_post or (lambda prefix: None)
+    lineage = lineage or Lineage()
     if arrival.rank == 0:
-        prefix, verdict = _lead(store, arrival, world_size, seconds, where, deadline, post, generation)
+        prefix, verdict = _lead(
+            store, arrival, world_size, seconds, where, deadline, post, generation, lineage.me
+        )
     else:
         prefix, verdict = _follow(
             store,
@@ -404,6 +422,7 @@ def meet(
             post,
             generation,
             on_adopt or (lambda g: None),
+            lineage,
         )
     if verdict.problem is not None and arrival.error is None:
         raise RendezvousError(f"launch refused on every rank: {verdict.problem}", verdict.culprits, where)
@@ -442,6 +461,7 @@ def _lead(
     deadline: float,
     post: Callable[[str], None],
     generation: int | None = None,
+    me: str = "",
 ) -> tuple[str, _Verdict]:
     """Rank 0's half of :func:`meet`: post a new prefix, read every answer, post the verdict;
     post a new prefix (with a fresh deadline) whenever a rank abandons the one posted. When the
@@ -455,7 +475,7 @@ def _lead(
 
     while True:
         try:
-            return _lead_once(store, arrival, world_size, seconds, where, deadline, posting, generation)
+            return _lead_once(store, arrival, world_size, seconds, where, deadline, posting, generation, me)
         except _Ahead as ahead:
             raise RendezvousError(str(ahead), ahead.ranks, where) from None
         except _Abandoned as gone:
@@ -491,11 +511,12 @@ def _lead_once(
     deadline: float,
     post: Callable[[str], None],
     generation: int | None,
+    me: str = "",
 ) -> tuple[str, _Verdict]:
     try:
         prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
         post(prefix)
-        store.set(_ROOT + "leader", f"{prefix} {'*' if generation is None else generation}".encode())
+        store.set(_ROOT + "leader", f"{prefix} {'*' if generation is None else generation} {me}".encode())
     except Exception as exc:
         raise _lost(0, where, exc) from None
     if arrival.error is not None:
@@ -618,6 +639,7 @@ def _follow(
     post: Callable[[str], None],
     generation: int | None = None,
     adopt: Callable[[int], None] = lambda generation: None,
+    lineage: Lineage | None = None,
 ) -> tuple[str, _Verdict]:
     """The other ranks' half of :func:`meet`: answer the posted prefix with a nonce and this
     rank's arrival until rank 0 confirms that nonce; return the prefix and the verdict."""
@@ -627,6 +649,8 @@ def _follow(
     count = 1 + (REFUSED if arrival.error is not None else 0)
     answered: str | None = None
     paired: int | None = None  # rank 0's generation at the prefix answered
+    lineage = lineage or Lineage()
+    leader = ""  # the id of the rank 0 process that posted the prefix answered
     stale: str | None = None  # a prefix this rank answered in an earlier launch
     behind: int | None = None  # rank 0's generation when it is at another launch than this rank
     own = generation
@@ -644,12 +668,14 @@ def _follow(
                 now = time.monotonic()
                 if now >= reread and (posted or store.check([_ROOT + "leader"])):
                     posted = True
-                    prefix, theirs = _posted(store.get(_ROOT + "leader"))
+                    prefix, theirs, poster = _posted(store.get(_ROOT + "leader"))
                     if not _in_step(theirs, generation):
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
                         now = 0.0  # and read again at the next poll
-                        past_ours = theirs is not None and generation is not None and theirs > generation
-                        if not past_ours and prefix != told:  # rank 0 is behind: tell it, once
+                        later = theirs is not None and generation is not None and theirs > generation
+                        # only the rank 0 this process met: a stale prefix may outcount a new rank 0
+                        past_ours = later and poster != "" and poster == lineage.rank0
+                        if not later and prefix != told:  # rank 0 is behind: tell it, once
                             told, mark = prefix, f"{rank} {generation}".encode()
                             if store.compare_set(prefix + "ahead", b"", mark) == mark:
                                 store.add(prefix + "answers", AHEAD)
@@ -667,7 +693,7 @@ def _follow(
                             if arrival.error is not None:
                                 store.set(prefix + "refusal", str(rank).encode())
                             store.add(prefix + "answers", count)
-                            answered, paired = prefix, theirs
+                            answered, paired, leader = prefix, theirs, poster
                     reread = now + _SLICE_S if now else 0.0
                 if answered is not None and answered == past:
                     reread = 0.0  # read the posted prefix at every poll until rank 0 posts this launch's
@@ -678,6 +704,7 @@ def _follow(
                             store.add(answered + "read", 1)
                         if paired is not None and paired != own:
                             adopt(paired)  # paired with rank 0's launch: its count is ours from now
+                        lineage.rank0 = leader
                         return answered, verdict
                     if verdict.problem is None:  # posted once, when every rank had answered
                         past = answered
@@ -699,10 +726,10 @@ def _follow(
             time.sleep(min(next(pauses), max(deadline - now, 0.0)))
 
 
-def _posted(value: bytes) -> tuple[str, int | None]:
-    """The prefix and launch generation rank 0 posted (None: any)."""
-    prefix, _, generation = value.decode().partition(" ")
-    return prefix, int(generation) if generation.isdigit() else None
+def _posted(value: bytes) -> tuple[str, int | None, str]:
+    """The prefix, launch generation (None: any) and process id rank 0 posted."""
+    prefix, generation, me = (value.decode().split(" ") + ["", ""])[:3]
+    return prefix, int(generation) if generation.isdigit() else None, me
 
 
 def _in_step(theirs: int | None, ours: int | None) -> bool:
