@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 
 import pytest
@@ -27,6 +28,16 @@ def server() -> dist.TCPStore:
 
 def client(server: dist.TCPStore) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=TIMEOUT)
+
+
+def in_threads(rank_main: Callable[[int], None], ranks: Iterable[int], join_s: float = 30) -> None:
+    """Run ``rank_main(rank)`` for every rank, each in a thread of its own; return once all end
+    (each given ``join_s`` seconds)."""
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_s)
 
 
 def one_round(
@@ -49,11 +60,7 @@ def one_round(
         except Exception as exc:  # recorded, the test asserts on it
             results[rank] = exc
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    in_threads(rank_main, range(world))
     return results
 
 
@@ -253,21 +260,14 @@ def meet_with_generations(
                     len(plans),
                     timeout,
                     "test",
-                    None,
-                    None,
-                    generation,
-                    None,
-                    lineage,
+                    generation=generation,
+                    lineage=lineage,
                 )
             except Exception as exc:  # recorded, the test asserts on it
                 got = exc
             results[rank].append((got, time.monotonic() - began))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in plans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
+    in_threads(rank_main, plans, 40)
     return results
 
 
