@@ -660,7 +660,6 @@ def _follow(
     # A prefix whose verdict went on without this rank's nonce (an earlier launch's, read before
     # rank 0 posted this one): such a verdict is final, so it is not read again.
     past: str | None = None
-    past_ours = False  # rank 0 posted a later launch of its process than this rank's
     told: str | None = None  # the prefix of an earlier launch of rank 0's told that this rank is ahead
     with _waiting(lambda: f"rank 0 at {where} (rank {rank} of {world_size})"):
         while True:
@@ -673,8 +672,10 @@ def _follow(
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
                         now = 0.0  # and read again at the next poll
                         later = theirs is not None and generation is not None and theirs > generation
-                        # only the rank 0 this process met: a stale prefix may outcount a new rank 0
-                        past_ours = later and poster != "" and poster == lineage.rank0
+                        if later and poster != "" and poster == lineage.rank0:
+                            # rank 0's launches only count up: the one this rank makes never comes
+                            # (only the rank 0 this process met: a stale prefix may outcount a new one)
+                            raise _gone_past(rank, theirs or 0, generation or 0, where)
                         if not later and prefix != told:  # rank 0 is behind: tell it, once
                             told, mark = prefix, f"{rank} {generation}".encode()
                             if store.compare_set(prefix + "ahead", b"", mark) == mark:
@@ -709,10 +710,10 @@ def _follow(
                     if verdict.problem is None:  # posted once, when every rank had answered
                         past = answered
                     reread = 0.0  # an earlier launch's prefix, or a refusal told before this rank answered
+            except RendezvousError:
+                raise
             except Exception as exc:
                 raise _lost(rank, where, exc) from None
-            if past_ours:  # rank 0's launches only count up: the one this rank makes never comes
-                raise _gone_past(rank, behind or 0, generation or 0, where)
             now = time.monotonic()
             if now >= deadline:
                 # Under the prefix this rank answered, the ranks that did not answer; when all did
