@@ -1,9 +1,8 @@
 """Run under torchrun (4 ranks) by tests/test_abort_states.py:
-``torchrun ... tests/torchrun_abort_launch_race.py OUT SEED [CYCLES [WINDOW [warm]]]``.
+``torchrun ... tests/torchrun_abort_launch_race.py OUT SEED [CYCLES [WINDOW]]``.
 
 Every rank calls ``gpc.abort()`` from a timer 0 to WINDOW s (default 0.4; random, per rank) into
-its launch (a timer that fires before the launch begins is an abort the launch never sees; with
-``warm``, after one plain launch, so that every rank has met rank 0's process), so
+its launch (a timer that fires before the launch begins is an abort the launch never sees), so
 the ranks' launches are aborted at different points of the rendezvous; then every rank destroys,
 relaunches in the same process and all-reduces on the data and global groups. CYCLES cycles
 (default 3). Writes
@@ -32,9 +31,6 @@ def main() -> int:
     out, seed, rank = Path(sys.argv[1]), int(sys.argv[2]), int(os.environ["RANK"])
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     window = float(sys.argv[4]) if len(sys.argv) > 4 else 0.4
-    if len(sys.argv) > 5 and sys.argv[5] == "warm":  # one plain launch first: every rank met rank 0
-        parallelctx.launch_from_torch({"parallel": {"tensor": 2}, "dist": {"timeout": 10}})
-        gpc.destroy()
     rng = random.Random(rank * 7 + seed)
     config = {"parallel": {"tensor": 2}, "dist": {"timeout": 10}}
     cycles = []
