@@ -140,6 +140,11 @@ def main() -> int:
         return 0
     parallelctx.launch_from_torch(config)
     print(f"rank {rank} timeline: launched at {time.time():.3f}", file=sys.stderr, flush=True)
+    # Every rank has launched (its watch armed) before any enters the call under test. In CI two
+    # ranks once returned from the launch 5 s after the others (a store connection's reverse DNS
+    # lookup waiting out the resolver, docs/performance.md), entered the all-reduce that late, and
+    # were rightly named missing by a report made before their watch posted.
+    dist.barrier()
     data = gpc.get_group(ParallelMode.DATA)
     if scenario == "healthy":
         for step in range(200):

@@ -28,6 +28,7 @@ from parallelctx import ParallelMode, gpc, launch_from_torch
 
 out = Path(sys.argv[1])
 launch_from_torch({"parallel": {"tensor": 2, "pipeline": 4}, "dist": {"hang_report": {"after": 5.0}}})
+dist.barrier()  # every rank launched before any waits on a neighbour (a late one would be named)
 rank = dist.get_rank()
 stage = gpc.get_local_rank(ParallelMode.PIPELINE)
 first, last = gpc.is_first_rank(ParallelMode.PIPELINE), gpc.is_last_rank(ParallelMode.PIPELINE)

@@ -25,6 +25,7 @@ from parallelctx import ParallelMode, gpc, launch_from_torch
 
 out = Path(sys.argv[1])
 launch_from_torch({"parallel": {"pipeline": 4}, "dist": {"hang_report": {"after": 2.0}}})
+torch.distributed.barrier()  # every rank launched before any waits on a neighbour (a late one would be named)
 stage_index, stages = gpc.get_local_rank(ParallelMode.PIPELINE), gpc.get_world_size(ParallelMode.PIPELINE)
 first, last = stage_index == 0, stage_index == stages - 1
 row: dict = {

@@ -793,8 +793,9 @@ class HangWatch:
         if peers is not None and any(theirs < count for theirs, _, _ in peers.values()):
             # A member's watch posts its progress once a tick, so one that entered this call
             # less than a tick ago reads as behind. Read again two ticks later: a member that had
-            # entered the call before this report is then never named missing. A call that
-            # completed meanwhile was slow, not hung: it is not reported.
+            # entered the call by the first read is then never named missing (one that enters
+            # later, a straggler, can be: its post may come after the second read). A call
+            # that completed meanwhile was slow, not hung: it is not reported.
             if self._stop.wait(2 * self.tick) or not _pending(call[4]):
                 return
             peers, gone = self._patiently(lambda: self._peers(slot), call)
