@@ -88,12 +88,6 @@ def test_every_rank_aborted_mid_launch_at_different_times_then_relaunches(tmp_pa
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: since a follower stops early only for the rank 0 process it met (4d1f802), a rank "
-    "can still wait out dist.timeout for rank 0 in this loop (7 of 12 seed runs on 2026-12-05; 3 of 3 "
-    "passed at 98f400a, which failed a restart at a new world size instead)",
-)
 @pytest.mark.parametrize("seed", [104, 206, 301])
 def test_six_ranks_aborted_in_the_first_fraction_of_their_launch_stay_in_step(
     tmp_path: Path, seed: int
@@ -104,10 +98,11 @@ def test_six_ranks_aborted_in_the_first_fraction_of_their_launch_stay_in_step(
     # rank behind stops at once, told by a rank ahead (or, a follower, finding rank 0 ahead),
     # and the next launch pairs: every relaunch sums as the serial reference. Before, these runs
     # went out of step for good: one rank sat out dist.timeout, and every cycle after it failed.
-    # The first cycle is not asserted: a process's first launch cannot tell rank 0 gone past it
-    # from a prefix an earlier job left, so it waits, and an abort lost there may cost one
-    # dist.timeout. Lazy gloo: with eager gloo a rank can also sit in gloo's pair connect well
-    # past dist.timeout when its peers aborted after agreeing to connect (docs/reliability.md).
+    # The first cycle too: a follower whose first launch finds this job's rank 0 past it (a
+    # prefix of the world size at which its slot was free) stops at once; before, it waited out
+    # dist.timeout there and stayed a cycle behind, so its last cycle met no one (7 of 12 runs).
+    # Lazy gloo: with eager gloo a rank can also sit in gloo's pair connect well past
+    # dist.timeout when its peers aborted after agreeing to connect (docs/reliability.md).
     proc = run_torchrun_env(
         6,
         ["tests/torchrun_abort_launch_race.py", str(tmp_path), str(seed), "10", "0.15"],
@@ -119,7 +114,7 @@ def test_six_ranks_aborted_in_the_first_fraction_of_their_launch_stay_in_step(
     assert [r["rank"] for r in rows] == list(range(6)), proc.stdout[-3000:]
     for row in rows:  # tensor=2: data groups {0, 2, 4}, {1, 3, 5}
         assert len(row["cycles"]) == 10
-        for cycle in row["cycles"][1:]:
+        for cycle in row["cycles"]:
             assert cycle["relaunch"] == [9.0 + 3.0 * (row["rank"] % 2), 21.0], (row["rank"], cycle)
             assert cycle["relaunch_s"] < 10.0, (row["rank"], cycle)
 

@@ -241,16 +241,21 @@ def test_a_rank_that_came_before_rank_0_never_answers_the_last_launchs_prefix_ag
 
 
 def meet_with_generations(
-    server: dist.TCPStore, plans: dict[int, list[int | None]], late: dict[int, float], timeout: timedelta
+    server: dist.TCPStore,
+    plans: dict[int, list[int | None]],
+    late: dict[int, float],
+    timeout: timedelta,
+    first_size: int | None = None,
 ) -> list[list[tuple[object, float]]]:
     """Rank r (a thread with its own client and lineage: one process) meets once per entry of ``plans[r]``, one after the
     other, with that launch generation, starting ``late[r]`` s late; returns per rank, per
-    meeting, the (prefix, hosts) or the exception, and the seconds it took."""
+    meeting, the (prefix, hosts) or the exception, and the seconds it took. ``first_size``: the
+    world size at which each process's first launch found its rank's slot free (``Lineage``)."""
     results: list[list[tuple[object, float]]] = [[] for _ in plans]
 
     def rank_main(rank: int) -> None:
         time.sleep(late.get(rank, 0.0))
-        store, lineage = client(server), Lineage()  # one process
+        store, lineage = client(server), Lineage(first_size=first_size)  # one process
         for generation in plans[rank]:
             began = time.monotonic()
             try:
@@ -309,6 +314,22 @@ def test_a_new_process_waits_for_the_new_rank_0_past_a_prefix_an_earlier_job_lef
     its 3rd. The new rank 1 comes first; it never met that rank 0, so it waits for the new one
     (which posts its 1st) and pairs, rather than stopping at the old count."""
     old = {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
-    assert all(r[2][0][0] == "parallelctx/launch-3/" for r in meet_with_generations(server, old, {}, TIMEOUT))
-    results = meet_with_generations(server, {0: [1], 1: [1]}, {0: 0.5}, timedelta(seconds=8))
+    assert all(
+        r[2][0][0] == "parallelctx/launch-3/" for r in meet_with_generations(server, old, {}, TIMEOUT, 3)
+    )
+    results = meet_with_generations(server, {0: [1], 1: [1]}, {0: 0.5}, timedelta(seconds=8), 2)
     assert [r[0][0] for r in results] == [("parallelctx/launch-4/", ["h"] * 2)] * 2, results
+
+
+def test_a_first_launch_finding_its_own_jobs_rank_0_past_it_stops_at_once(server: dist.TCPStore) -> None:
+    """A process's first launch, before it met any rank 0: rank 0 of the same job (the world
+    size at which rank 1's slot was free) abandoned its 1st launch and posted its 2nd before
+    rank 1 came; rank 1's 1st (its abort came before that launch began) stops at once instead
+    of waiting its timeout, and its next launch, pairing with any, meets rank 0's 2nd. Before,
+    it waited out the timeout, and in a loop that aborts each cycle it stayed a cycle behind."""
+    short = timedelta(seconds=8)
+    results = meet_with_generations(server, {0: [2], 1: [1, None]}, {1: 0.3}, short, first_size=2)
+    (error, took), (second, _) = results[1]
+    assert isinstance(error, RendezvousError) and "rank 0 is at its 2nd already" in str(error), results
+    assert took < 2.0, results
+    assert second == results[0][0][0] == ("parallelctx/launch-1/", ["h"] * 2), results

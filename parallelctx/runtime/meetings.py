@@ -122,6 +122,8 @@ class Meetings:
         try:
             taken = self._launches <= 1 and base.check([slot])
             base.set(slot, str(self._launches).encode())
+            if self._launches <= 1:  # a prefix of this size is this job's (rendezvous.Lineage)
+                self._lineage.first_size = None if taken else world_size
         except Exception:
             return None  # the meeting reports a store that went away
         generation = None if taken or lost else self._launches

@@ -119,14 +119,18 @@ class Arrival:
 
 @dataclass
 class Lineage:
-    """Which processes met: ``me``, this process's id (rank 0 posts it with each prefix), and
+    """Which processes met: ``me``, this process's id (rank 0 posts it with each prefix);
     ``rank0``, the id of the rank 0 process whose verdict this process last accepted (None until
-    then; :func:`meet` updates it). A rank finding rank 0 at a later launch than its own stops at
-    once only when that rank 0 is the process it met before: a prefix left by an earlier job's
-    rank 0 (a torchrun restart at another world size) says nothing about the rank 0 to come."""
+    then; :func:`meet` updates it); ``first_size``, the world size of this process's first launch
+    when no earlier process had launched as its rank at that size on the store (None otherwise;
+    set by the caller, which keeps that count). A rank finding rank 0 at a later launch than its
+    own stops at once only when that rank 0 is this job's: the process it met before or, before
+    it met one, a rank 0 at ``first_size``. A prefix left by an earlier job's rank 0 (a torchrun
+    restart) says nothing about the rank 0 to come."""
 
     me: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     rank0: str | None = None
+    first_size: int | None = None
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -516,7 +520,8 @@ def _lead_once(
     try:
         prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
         post(prefix)
-        store.set(_ROOT + "leader", f"{prefix} {'*' if generation is None else generation} {me}".encode())
+        text = f"{prefix} {'*' if generation is None else generation} {me} {world_size}"
+        store.set(_ROOT + "leader", text.encode())
     except Exception as exc:
         raise _lost(0, where, exc) from None
     if arrival.error is not None:
@@ -667,14 +672,13 @@ def _follow(
                 now = time.monotonic()
                 if now >= reread and (posted or store.check([_ROOT + "leader"])):
                     posted = True
-                    prefix, theirs, poster = _posted(store.get(_ROOT + "leader"))
+                    prefix, theirs, poster, size = _posted(store.get(_ROOT + "leader"))
                     if not _in_step(theirs, generation):
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
                         now = 0.0  # and read again at the next poll
                         later = theirs is not None and generation is not None and theirs > generation
-                        if later and poster != "" and poster == lineage.rank0:
+                        if later and _goes_on(poster, size, world_size, lineage):
                             # rank 0's launches only count up: the one this rank makes never comes
-                            # (only the rank 0 this process met: a stale prefix may outcount a new one)
                             raise _gone_past(rank, theirs or 0, generation or 0, where)
                         if not later and prefix != told:  # rank 0 is behind: tell it, once
                             told, mark = prefix, f"{rank} {generation}".encode()
@@ -727,10 +731,29 @@ def _follow(
             time.sleep(min(next(pauses), max(deadline - now, 0.0)))
 
 
-def _posted(value: bytes) -> tuple[str, int | None, str]:
-    """The prefix, launch generation (None: any) and process id rank 0 posted."""
-    prefix, generation, me = (value.decode().split(" ") + ["", ""])[:3]
-    return prefix, int(generation) if generation.isdigit() else None, me
+def _posted(value: bytes) -> tuple[str, int | None, str, int | None]:
+    """The prefix, launch generation (None: any), process id and world size rank 0 posted."""
+    prefix, generation, me, size = (value.decode().split(" ") + ["", "", ""])[:4]
+    return (
+        prefix,
+        int(generation) if generation.isdigit() else None,
+        me,
+        int(size) if size.isdigit() else None,
+    )
+
+
+def _goes_on(poster: str, size: int | None, world_size: int, lineage: Lineage) -> bool:
+    """Whether the rank 0 that posted a later launch than this rank's is this job's, live (so the
+    launch this rank waits for never comes): the rank 0 process this process met; or, before this
+    process met one, a rank 0 of the world size at which no earlier process launched as this
+    rank (``lineage.first_size``): no earlier job on the store had that size, or its rank 0 would
+    have met this rank's predecessor. A prefix of another size may be an earlier job's (a
+    torchrun restart at a new size), which the new rank 0 replaces."""
+    if poster == "":
+        return False
+    if lineage.rank0 is not None:
+        return poster == lineage.rank0
+    return size is not None and size == world_size == lineage.first_size
 
 
 def _in_step(theirs: int | None, ours: int | None) -> bool:
