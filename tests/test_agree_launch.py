@@ -333,3 +333,17 @@ def test_a_first_launch_finding_its_own_jobs_rank_0_past_it_stops_at_once(server
     assert isinstance(error, RendezvousError) and "rank 0 is at its 2nd already" in str(error), results
     assert took < 2.0, results
     assert second == results[0][0][0] == ("parallelctx/launch-1/", ["h"] * 2), results
+
+
+def test_ranks_in_step_with_a_rank_0_that_stops_for_a_rank_ahead_stop_with_it(server: dist.TCPStore) -> None:
+    """Ranks 0 and 1 go on with their 1st launch (their aborts came before it began) while rank
+    2 launched again: rank 2 tells rank 0, which stops. Rank 1, which had answered rank 0, stops
+    at once with rank 0's reason (before, it waited for rank 0's next launch or its timeout);
+    the next launches of ranks 0 and 1 pair with rank 2's."""
+    short = timedelta(seconds=8)
+    results = meet_with_generations(server, {0: [1, 2], 1: [1, None], 2: [2]}, {2: 0.5}, short)
+    (error, took), (second, _) = results[1]
+    assert isinstance(error, RendezvousError), results
+    assert "rank 2 is at its 2nd already" in str(error) and error.ranks == (2,), error
+    assert took < 2.0, results
+    assert second == results[0][1][0] == results[2][0][0] == ("parallelctx/launch-2/", ["h"] * 3), results

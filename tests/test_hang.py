@@ -796,3 +796,42 @@ def test_a_call_that_completes_while_the_store_stalls_is_not_reported_and_the_ne
         watch.stop()
     assert [r.count for r, _ in reports] == [2], [str(r) for r, _ in reports]
     assert reports[0][1] - second[3] < 1.0 + 2.0, reports
+
+
+class _SlowClone:
+    """A launch's store whose new connection takes ``delay`` s (a reverse DNS lookup waiting
+    out the resolver, docs/performance.md); counts the requests made on the launch's own one."""
+
+    def __init__(self, inner: Any, delay: float) -> None:
+        self.inner, self.delay, self.direct = inner, delay, 0
+
+    def clone(self) -> Any:
+        time.sleep(self.delay)
+        return self.inner
+
+    def __getattr__(self, name: str) -> Any:
+        self.direct += 1
+        return getattr(self.inner, name)
+
+
+def test_arming_the_hang_report_never_waits_for_its_store_connection(tmp_path: Path) -> None:
+    # CI saw two ranks return from their launch 5 s after the others: the watch's new store
+    # connection, made in the launch. It is made in the watch's own thread now; the progress is
+    # posted on it once it is up, never on the launch's connection.
+    from parallelctx.guard.core import Guard
+
+    store = dist.FileStore(str(tmp_path / "s"), 1)
+    slow, guard = _SlowClone(store, 1.5), Guard()
+    began = time.monotonic()
+    guard.watch(timedelta(seconds=0.2), False, 0, slow, {})
+    armed = time.monotonic() - began
+    try:
+        assert armed < 0.5, armed
+        deadline = time.monotonic() + 10
+        while not store.check(["hang/0"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert time.monotonic() - began >= 1.5, "posted before its connection was made"
+        assert json.loads(store.get("hang/0")) == {}  # no call entered yet
+        assert slow.direct == 0  # nothing went over the launch's own connection
+    finally:
+        guard.unwatch()

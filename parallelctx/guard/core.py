@@ -205,10 +205,6 @@ class Guard:
                         watched[id(group)][1].append(mode)
                 else:
                     watched[id(group)] = (group, [mode], cpu and g.cpu_group is not g.group, tuple(g.ranks))
-        try:
-            store = store.clone()
-        except Exception:
-            pass
         order = list(ParallelMode).index
         watch: HangWatch | None = None
 
@@ -226,6 +222,7 @@ class Guard:
             aborter=abort_this_launch,
             store_wait=store_wait,
             where=where,
+            clone=True,  # a connection of its own, made in the watch's thread
         )
         self._watch = watch
         watch.start()

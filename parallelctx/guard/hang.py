@@ -515,17 +515,29 @@ class _BoundedStore:
     """The watch's store requests, made in a helper thread and awaited at most ``wait`` seconds
     each, so that a stalled store (its server hung, or a network partition) never stops the
     watch: a request that does not finish in time raises :class:`StoreStalled`, and the next
-    ones wait behind it (they stall as well until the store answers again)."""
+    ones wait behind it (they stall as well until the store answers again). With ``clone``, the
+    helper thread first makes a connection of its own (``store.clone()``; ``store`` itself when
+    it has none), so that no caller waits for it: a new connection can take the resolver's
+    timeout (docs/performance.md), and the launch that starts the watch must not."""
 
-    def __init__(self, store: Any, wait: float) -> None:
+    def __init__(self, store: Any, wait: float, clone: bool = False) -> None:
         self.store, self.wait = store, wait
         self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], dict[str, Any], threading.Event] | None] = (
             queue.SimpleQueue()
         )
         self.pending = 0  # requests queued or running (the helper thread ends one at a time)
         self._lock = threading.Lock()
+        if clone:
+            self.pending = 1
+            self._jobs.put((self._clone, {}, threading.Event()))
         self._thread = threading.Thread(target=self._serve, name="parallelctx-hang-store", daemon=True)
         self._thread.start()
+
+    def _clone(self) -> None:
+        try:
+            self.store = self.store.clone()
+        except Exception:
+            pass  # no connection of its own (a FileStore, a HashStore): share the launch's
 
     def _serve(self) -> None:
         while True:
@@ -591,6 +603,7 @@ class HangWatch:
         aborter: Callable[[], int] | None = None,
         where: Callable[[int], str] | None = None,
         store_wait: timedelta = timedelta(seconds=10),
+        clone: bool = False,
     ) -> None:
         self.after = after.total_seconds()
         self.store_wait = store_wait.total_seconds()  # a report reads a silent store again this long
@@ -598,7 +611,7 @@ class HangWatch:
         self.tick = min(max(self.after / 4, 0.05), 1.0)
         self.rank = rank
         self.log = log
-        self._store = _BoundedStore(store, max(1.0, 2 * self.tick))
+        self._store = _BoundedStore(store, max(1.0, 2 * self.tick), clone)
         self._stalled = False  # the store did not answer the last post (logged once a stall)
         self._read_stalled = False  # the last failed read of the progress timed out (not refused)
         self._fr_names: dict[str, str] = {}  # the flight recorder's id of a group -> its name

@@ -540,7 +540,11 @@ def _lead_once(
                 return
             if count >= AHEAD and store.check([prefix + "ahead"]):
                 ahead, _, at = store.get(prefix + "ahead").decode().partition(" ")
-                raise _Ahead(int(ahead), int(at), generation or 0, where)
+                error = _Ahead(int(ahead), int(at), generation or 0, where)
+                # the ranks that answered, in step with rank 0, stop now too (not at rank 0's next launch)
+                verdict = _Verdict(_nonces(store, prefix, world_size), (), str(error), error.ranks)
+                store.set(prefix + "confirmed", pickle.dumps(verdict))
+                raise error
             bad = int(store.get(prefix + "refusal"))  # set before the count says a rank refused
             theirs: Arrival = pickle.loads(store.get(f"{prefix}answer/{bad}"))[1]
             why = f"rank {bad} (host {theirs.host}) refused to launch, so every rank stops: {theirs.error}"
@@ -617,13 +621,7 @@ def _refuse(
         while True:
             answered = store.add(prefix + "answers", 0) % REFUSED
             if answered != told:
-                nonces = tuple(
-                    pickle.loads(store.get(f"{prefix}answer/{r}"))[0]
-                    if store.check([f"{prefix}answer/{r}"])
-                    else b""
-                    for r in range(1, world_size)
-                )
-                verdict = _Verdict(nonces, (), problem, culprits)
+                verdict = _Verdict(_nonces(store, prefix, world_size), (), problem, culprits)
                 store.set(prefix + "confirmed", pickle.dumps(verdict))
                 told = answered
             if answered >= world_size - 1 and store.add(prefix + "read", 0) >= world_size - 1:
@@ -632,6 +630,14 @@ def _refuse(
                 break
             time.sleep(_SLICE_S / 4)
     return verdict
+
+
+def _nonces(store: Any, prefix: str, world_size: int) -> tuple[bytes, ...]:
+    """The nonce each rank but 0 answered ``prefix`` with (``b""`` where it has not answered)."""
+    return tuple(
+        pickle.loads(store.get(f"{prefix}answer/{r}"))[0] if store.check([f"{prefix}answer/{r}"]) else b""
+        for r in range(1, world_size)
+    )
 
 
 def _follow(
