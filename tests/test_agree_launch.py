@@ -245,17 +245,17 @@ def meet_with_generations(
     plans: dict[int, list[int | None]],
     late: dict[int, float],
     timeout: timedelta,
-    first_size: int | None = None,
+    attempt: str = "",
 ) -> list[list[tuple[object, float]]]:
     """Rank r (a thread with its own client and lineage: one process) meets once per entry of ``plans[r]``, one after the
     other, with that launch generation, starting ``late[r]`` s late; returns per rank, per
-    meeting, the (prefix, hosts) or the exception, and the seconds it took. ``first_size``: the
-    world size at which each process's first launch found its rank's slot free (``Lineage``)."""
+    meeting, the (prefix, hosts) or the exception, and the seconds it took. ``attempt``: which
+    set of processes shares the store's life (``Lineage.attempt``; "" unknown)."""
     results: list[list[tuple[object, float]]] = [[] for _ in plans]
 
     def rank_main(rank: int) -> None:
         time.sleep(late.get(rank, 0.0))
-        store, lineage = client(server), Lineage(first_size=first_size)  # one process
+        store, lineage = client(server), Lineage(attempt=attempt)  # one process
         for generation in plans[rank]:
             began = time.monotonic()
             try:
@@ -306,29 +306,32 @@ def test_a_rank_finding_the_rank_0_it_met_past_its_launch_stops_at_once(server: 
     assert second == results[0][1][0] == ("parallelctx/launch-2/", ["h"] * 2), results
 
 
+@pytest.mark.parametrize("old_world", [2, 3])
 def test_a_new_process_waits_for_the_new_rank_0_past_a_prefix_an_earlier_job_left(
-    server: dist.TCPStore,
+    server: dist.TCPStore, old_world: int
 ) -> None:
-    """A torchrun restart at a world size never used on the store: the new processes' first
-    launches are their 1st, while the store's leader key still holds the old rank 0's prefix at
-    its 3rd. The new rank 1 comes first; it never met that rank 0, so it waits for the new one
-    (which posts its 1st) and pairs, rather than stopping at the old count."""
-    old = {0: [1, 2, 3], 1: [1, 2, 3], 2: [1, 2, 3]}
-    assert all(
-        r[2][0][0] == "parallelctx/launch-3/" for r in meet_with_generations(server, old, {}, TIMEOUT, 3)
+    """A torchrun restart (attempt 1 on attempt 0's store), at another world size or the same
+    one: the new rank 1's first launch is its 1st (its slot is free: at the same size, its
+    predecessor died before its launch; the skeptic's case), while the store's leader key still
+    holds the old rank 0's prefix at its 3rd. The new rank 1 comes first; that rank 0 is of
+    another attempt, so it waits for the new one (which posts its 1st) and pairs, rather than
+    stopping at the old count."""
+    old = {r: [1, 2, 3] for r in range(old_world)}
+    done = meet_with_generations(server, old, {}, TIMEOUT, "torchrun:job:0")
+    assert all(r[2][0][0] == "parallelctx/launch-3/" for r in done), done
+    results = meet_with_generations(
+        server, {0: [1], 1: [1]}, {0: 0.5}, timedelta(seconds=8), "torchrun:job:1"
     )
-    results = meet_with_generations(server, {0: [1], 1: [1]}, {0: 0.5}, timedelta(seconds=8), 2)
     assert [r[0][0] for r in results] == [("parallelctx/launch-4/", ["h"] * 2)] * 2, results
 
 
 def test_a_first_launch_finding_its_own_jobs_rank_0_past_it_stops_at_once(server: dist.TCPStore) -> None:
-    """A process's first launch, before it met any rank 0: rank 0 of the same job (the world
-    size at which rank 1's slot was free) abandoned its 1st launch and posted its 2nd before
-    rank 1 came; rank 1's 1st (its abort came before that launch began) stops at once instead
+    """A process's first launch, before it met any rank 0: rank 0 of the same store attempt
+    (``Lineage.attempt``) abandoned its 1st launch and posted its 2nd before rank 1 came; rank 1's 1st (its abort came before that launch began) stops at once instead
     of waiting its timeout, and its next launch, pairing with any, meets rank 0's 2nd. Before,
     it waited out the timeout, and in a loop that aborts each cycle it stayed a cycle behind."""
     short = timedelta(seconds=8)
-    results = meet_with_generations(server, {0: [2], 1: [1, None]}, {1: 0.3}, short, first_size=2)
+    results = meet_with_generations(server, {0: [2], 1: [1, None]}, {1: 0.3}, short, "served")
     (error, took), (second, _) = results[1]
     assert isinstance(error, RendezvousError) and "rank 0 is at its 2nd already" in str(error), results
     assert took < 2.0, results

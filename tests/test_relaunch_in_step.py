@@ -43,3 +43,20 @@ def test_every_launch_after_a_torchrun_restart_pairs_with_rank_0s(tmp_path: Path
     second = [json.loads((tmp_path / f"rank-{r}-a1.json").read_text()) for r in range(4)]
     assert first == [[10.0] * 4] * 4, first
     assert second == [[10.0] * 3] * 4, second
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(200)
+def test_a_restart_after_a_rank_died_before_launching_pairs_with_the_new_rank_0(tmp_path: Path) -> None:
+    # The new rank 3's first launch finds the old rank 0's later launch on the agent's store; its
+    # slot is free (its predecessor never launched), so only the attempt posted with the prefix
+    # tells that rank 0 is of the dead attempt: rank 3 waits for the new one. With the world
+    # size alone as the sign, it stopped at once naming the old rank 0's count (skeptic, 6 of 6).
+    proc = run_torchrun(
+        4, ["--max-restarts", "1", "tests/torchrun_restart_after_early_death.py", str(tmp_path)], timeout=180
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(4)]
+    for rank, row in enumerate(rows):
+        assert row[0::2] == [10.0, 10.0], (rank, row)
+        assert max(row[1::2]) < 8.0, (rank, row)  # met, not timed out

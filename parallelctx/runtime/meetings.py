@@ -35,7 +35,7 @@ from ..guard.core import Guard
 from ..guard.sockets import FdSlots
 from .bell import Abandoned, Bell, Line, abandon
 from .groups import connects_at_creation
-from .rendezvous import Arrival, Lineage, RendezvousError, connect_store, meet, rank_list
+from .rendezvous import Arrival, Lineage, RendezvousError, connect_store, meet, rank_list, store_attempt
 
 __all__ = ["REFUSAL_GRACE_S", "DefaultGroup", "Meetings", "init_default_group", "url_of"]
 
@@ -122,8 +122,6 @@ class Meetings:
         try:
             taken = self._launches <= 1 and base.check([slot])
             base.set(slot, str(self._launches).encode())
-            if self._launches <= 1:  # a prefix of this size is this job's (rendezvous.Lineage)
-                self._lineage.first_size = None if taken else world_size
         except Exception:
             return None  # the meeting reports a store that went away
         generation = None if taken or lost else self._launches
@@ -239,6 +237,7 @@ class Meetings:
                 self._attempt = (prefix, rank, world_size, base)
 
         generation = self._generation(base, rank, world_size)
+        self._lineage.attempt = store_attempt(url)
 
         def adopt(theirs: int) -> None:  # this launch pairs with rank 0's count: the process takes it
             self._launches = theirs

@@ -45,6 +45,7 @@ __all__ = [
     "rank_list",
     "serves_store",
     "settle",
+    "store_attempt",
 ]
 
 # Longest sleep between two polls of the store: Ctrl-C and SIGTERM are acted on within this.
@@ -121,16 +122,15 @@ class Arrival:
 class Lineage:
     """Which processes met: ``me``, this process's id (rank 0 posts it with each prefix);
     ``rank0``, the id of the rank 0 process whose verdict this process last accepted (None until
-    then; :func:`meet` updates it); ``first_size``, the world size of this process's first launch
-    when no earlier process had launched as its rank at that size on the store (None otherwise;
-    set by the caller, which keeps that count). A rank finding rank 0 at a later launch than its
+    then; :func:`meet` updates it); ``attempt``, which set of processes shares the store's life
+    (:func:`store_attempt`; "" when unknown). A rank finding rank 0 at a later launch than its
     own stops at once only when that rank 0 is this job's: the process it met before or, before
-    it met one, a rank 0 at ``first_size``. A prefix left by an earlier job's rank 0 (a torchrun
-    restart) says nothing about the rank 0 to come."""
+    it met one, a rank 0 that posted the same non-empty ``attempt``. A prefix left by an earlier
+    job's rank 0 (before a torchrun restart) says nothing about the rank 0 to come."""
 
     me: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     rank0: str | None = None
-    first_size: int | None = None
+    attempt: str = ""
 
 
 def rank_list(ranks: Sequence[int]) -> str:
@@ -241,6 +241,20 @@ def _agent_serves(port: int) -> bool:
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("MASTER_PORT") == str(
         port
     )
+
+
+def store_attempt(url: str) -> str:
+    """Return an id of the processes that share the life of the store of ``url``, the same on
+    every rank of one job: ``"served"`` when rank 0's process serves it (every key on it is
+    that process's), torchrun's run id and restart count when its agent serves it (the store
+    outlives the processes of an attempt), and "" when not known (``file://``, ``env://``)."""
+    if serves_store(url):
+        return "served"
+    port = _address(url)[1]
+    if url.startswith("tcp://") and port is not None and _agent_serves(port):
+        run = os.environ.get("TORCHELASTIC_RUN_ID", "").replace(" ", "_")
+        return f"torchrun:{run}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')}"
+    return ""
 
 
 def serves_store(url: str) -> bool:
@@ -413,8 +427,9 @@ def meet(
     lineage = lineage or Lineage()
     if arrival.rank == 0:
         prefix, verdict = _lead(
-            store, arrival, world_size, seconds, where, deadline, post, generation, lineage.me
-        )
+            store, arrival, world_size, seconds, where, deadline, post, generation,
+            f"{lineage.me} {lineage.attempt.replace(' ', '_')}",
+        )  # fmt: skip
     else:
         prefix, verdict = _follow(
             store,
@@ -467,7 +482,8 @@ def _lead(
     generation: int | None = None,
     me: str = "",
 ) -> tuple[str, _Verdict]:
-    """Rank 0's half of :func:`meet`: post a new prefix, read every answer, post the verdict;
+    """Rank 0's half of :func:`meet` (``me``: its process id and attempt, as posted): post a
+    new prefix, read every answer, post the verdict;
     post a new prefix (with a fresh deadline) whenever a rank abandons the one posted. When the
     ranks do not all come in the end, the error names those that never answered any prefix
     (a rank that answered one and gave up, at its own timeout, did arrive)."""
@@ -520,7 +536,7 @@ def _lead_once(
     try:
         prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
         post(prefix)
-        text = f"{prefix} {'*' if generation is None else generation} {me} {world_size}"
+        text = f"{prefix} {'*' if generation is None else generation} {me}"
         store.set(_ROOT + "leader", text.encode())
     except Exception as exc:
         raise _lost(0, where, exc) from None
@@ -678,12 +694,12 @@ def _follow(
                 now = time.monotonic()
                 if now >= reread and (posted or store.check([_ROOT + "leader"])):
                     posted = True
-                    prefix, theirs, poster, size = _posted(store.get(_ROOT + "leader"))
+                    prefix, theirs, poster, attempt = _posted(store.get(_ROOT + "leader"))
                     if not _in_step(theirs, generation):
                         behind = theirs  # rank 0 is at another launch: wait for the one of ours
                         now = 0.0  # and read again at the next poll
                         later = theirs is not None and generation is not None and theirs > generation
-                        if later and _goes_on(poster, size, world_size, lineage):
+                        if later and _goes_on(poster, attempt, lineage):
                             # rank 0's launches only count up: the one this rank makes never comes
                             raise _gone_past(rank, theirs or 0, generation or 0, where)
                         if not later and prefix != told:  # rank 0 is behind: tell it, once
@@ -737,29 +753,23 @@ def _follow(
             time.sleep(min(next(pauses), max(deadline - now, 0.0)))
 
 
-def _posted(value: bytes) -> tuple[str, int | None, str, int | None]:
-    """The prefix, launch generation (None: any), process id and world size rank 0 posted."""
-    prefix, generation, me, size = (value.decode().split(" ") + ["", "", ""])[:4]
-    return (
-        prefix,
-        int(generation) if generation.isdigit() else None,
-        me,
-        int(size) if size.isdigit() else None,
-    )
+def _posted(value: bytes) -> tuple[str, int | None, str, str]:
+    """The prefix, launch generation (None: any), process id and attempt rank 0 posted."""
+    prefix, generation, me, attempt = (value.decode().split(" ") + ["", "", ""])[:4]
+    return prefix, int(generation) if generation.isdigit() else None, me, attempt
 
 
-def _goes_on(poster: str, size: int | None, world_size: int, lineage: Lineage) -> bool:
+def _goes_on(poster: str, attempt: str, lineage: Lineage) -> bool:
     """Whether the rank 0 that posted a later launch than this rank's is this job's, live (so the
     launch this rank waits for never comes): the rank 0 process this process met; or, before this
-    process met one, a rank 0 of the world size at which no earlier process launched as this
-    rank (``lineage.first_size``): no earlier job on the store had that size, or its rank 0 would
-    have met this rank's predecessor. A prefix of another size may be an earlier job's (a
-    torchrun restart at a new size), which the new rank 0 replaces."""
+    process met one, a rank 0 of the same store attempt (:func:`store_attempt`). A prefix of an
+    earlier attempt (before a torchrun restart; or a rank 0 whose attempt is not known) may be
+    stale, and the new rank 0 replaces it: this rank waits for that one."""
     if poster == "":
         return False
     if lineage.rank0 is not None:
         return poster == lineage.rank0
-    return size is not None and size == world_size == lineage.first_size
+    return lineage.attempt != "" and attempt == lineage.attempt
 
 
 def _in_step(theirs: int | None, ours: int | None) -> bool:
