@@ -350,3 +350,26 @@ def test_ranks_in_step_with_a_rank_0_that_stops_for_a_rank_ahead_stop_with_it(se
     assert "rank 2 is at its 2nd already" in str(error) and error.ranks == (2,), error
     assert took < 2.0, results
     assert second == results[0][1][0] == results[2][0][0] == ("parallelctx/launch-2/", ["h"] * 3), results
+
+
+def test_the_store_attempt_is_known_only_where_every_rank_of_a_job_names_it_alike(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rank 0 that serves its store, and torchrun's agent store on one node, name the attempt;
+    across nodes each torchrun agent counts its own restarts (a node restarted for a changed
+    membership does not count it: a second skeptic's two-node runs paired a new rank with the
+    dead rank 0), and a file or env store names none: the rank then waits, never stops early."""
+    from parallelctx.runtime.rendezvous import store_attempt
+
+    for key in ("TORCHELASTIC_USE_AGENT_STORE", "MASTER_PORT", "GROUP_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    assert store_attempt("tcp://127.0.0.1:29500") == "served"
+    assert store_attempt("file:///tmp/x") == store_attempt("env://") == ""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert store_attempt("tcp://127.0.0.1:29500") == "torchrun:job:1"
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    assert store_attempt("tcp://127.0.0.1:29500") == ""

@@ -246,12 +246,15 @@ def _agent_serves(port: int) -> bool:
 def store_attempt(url: str) -> str:
     """Return an id of the processes that share the life of the store of ``url``, the same on
     every rank of one job: ``"served"`` when rank 0's process serves it (every key on it is
-    that process's), torchrun's run id and restart count when its agent serves it (the store
-    outlives the processes of an attempt), and "" when not known (``file://``, ``env://``)."""
+    that process's); torchrun's run id and restart count when the agent of a one-node job
+    serves it (the store outlives the processes of an attempt, and the one agent counts them);
+    "" when not known (``file://``, ``env://``, and torchrun across nodes: each agent keeps its
+    own restart count, and one that restarts for a changed membership does not count it)."""
     if serves_store(url):
         return "served"
     port = _address(url)[1]
-    if url.startswith("tcp://") and port is not None and _agent_serves(port):
+    one_agent = os.environ.get("GROUP_WORLD_SIZE") == "1"
+    if url.startswith("tcp://") and port is not None and _agent_serves(port) and one_agent:
         run = os.environ.get("TORCHELASTIC_RUN_ID", "").replace(" ", "_")
         return f"torchrun:{run}:{os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')}"
     return ""
