@@ -189,9 +189,7 @@ class ParallelContext(ModeViews, LaunchQueries):
         if v.owns_default_group and dist.is_initialized() and (v.rank, v.world_size) == (rank, world_size):
             return  # called again: the default group gpc made stays gpc's (destroy() tears it down)
         wait = args.timeout or (v.config.dist.timeout if v.config is not None else DEFAULT_TIMEOUT)
-        self._meetings.finish_refusal()  # as launch(): an earlier refusal told first,
-        self._meetings.begin()  # and this launch counted (its generation pairs it in step)
-        self._guard.begin()
+        startup.begin_launch(self._meetings, self._guard)  # counted as launch() counts
         made = init_default_group(
             self._meetings, self._guard, args, resolve_backend(args.backend), wait, arrival
         )

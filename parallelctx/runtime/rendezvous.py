@@ -132,6 +132,11 @@ class Lineage:
     rank0: str | None = None
     attempt: str = ""
 
+    @property
+    def poster(self) -> str:
+        """What rank 0 posts with each prefix to name itself: its process id and attempt."""
+        return f"{self.me} {self.attempt.replace(' ', '_')}"
+
 
 def rank_list(ranks: Sequence[int]) -> str:
     """Return ranks as compact text: ``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
@@ -430,9 +435,8 @@ def meet(
     lineage = lineage or Lineage()
     if arrival.rank == 0:
         prefix, verdict = _lead(
-            store, arrival, world_size, seconds, where, deadline, post, generation,
-            f"{lineage.me} {lineage.attempt.replace(' ', '_')}",
-        )  # fmt: skip
+            store, arrival, world_size, seconds, where, deadline, post, generation, lineage.poster
+        )
     else:
         prefix, verdict = _follow(
             store,
@@ -483,10 +487,10 @@ def _lead(
     deadline: float,
     post: Callable[[str], None],
     generation: int | None = None,
-    me: str = "",
+    poster: str = "",
 ) -> tuple[str, _Verdict]:
-    """Rank 0's half of :func:`meet` (``me``: its process id and attempt, as posted): post a
-    new prefix, read every answer, post the verdict;
+    """Rank 0's half of :func:`meet` (``poster``: :attr:`Lineage.poster`): post a new prefix,
+    read every answer, post the verdict;
     post a new prefix (with a fresh deadline) whenever a rank abandons the one posted. When the
     ranks do not all come in the end, the error names those that never answered any prefix
     (a rank that answered one and gave up, at its own timeout, did arrive)."""
@@ -498,7 +502,9 @@ def _lead(
 
     while True:
         try:
-            return _lead_once(store, arrival, world_size, seconds, where, deadline, posting, generation, me)
+            return _lead_once(
+                store, arrival, world_size, seconds, where, deadline, posting, generation, poster
+            )
         except _Ahead as ahead:
             raise RendezvousError(str(ahead), ahead.ranks, where) from None
         except _Abandoned as gone:
@@ -534,13 +540,12 @@ def _lead_once(
     deadline: float,
     post: Callable[[str], None],
     generation: int | None,
-    me: str = "",
+    poster: str = "",
 ) -> tuple[str, _Verdict]:
     try:
         prefix = f"{_ROOT}launch-{store.add(_ROOT + 'launches', 1)}/"
         post(prefix)
-        text = f"{prefix} {'*' if generation is None else generation} {me}"
-        store.set(_ROOT + "leader", text.encode())
+        store.set(_ROOT + "leader", f"{prefix} {'*' if generation is None else generation} {poster}".encode())
     except Exception as exc:
         raise _lost(0, where, exc) from None
     if arrival.error is not None:

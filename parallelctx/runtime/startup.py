@@ -52,6 +52,7 @@ __all__ = [
     "Launched",
     "agreed_values",
     "arm",
+    "begin_launch",
     "dry_run_for",
     "end",
     "host_names",
@@ -493,6 +494,15 @@ def dry_run_for(simulate: Mapping[str, int] | None, current: DryRun | None) -> D
 
 
 # ------------------------------------------------------------------------------ the sequence
+def begin_launch(meetings: Meetings, guard: Guard) -> None:
+    """A launch begins in this process: an earlier refusal of it is told first, the launch is
+    counted (its generation pairs it with the other ranks' launch of the same number) and an
+    abort from now on stops it. Returns None."""
+    meetings.finish_refusal()
+    meetings.begin()
+    guard.begin()
+
+
 def start(
     config: ConfigLike,
     raw: Mapping[str, Any],
@@ -524,9 +534,7 @@ def start(
     """
     if dry is not None:
         return _start_dry(config, raw, dry, guard)
-    meetings.finish_refusal()  # an earlier refusal of this process, still being told
-    meetings.begin()
-    guard.begin()
+    begin_launch(meetings, guard)
     cfg, args, layout = _checked(config, raw, meetings)
     wait = args.timeout or cfg.dist.timeout
     seed = args.seed if args.seed is not None else cfg.seed
