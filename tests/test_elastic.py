@@ -293,15 +293,11 @@ def test_abort_ends_a_wait_on_a_lazy_bridge_group_10_cycles_and_leaves_user_serv
     ours = [
         line for line in (proc.stdout + proc.stderr).splitlines() if "parallelctx" in line or "Error" in line
     ]
-    if proc.returncode != 0 and "did not arrive" in proc.stderr and "while waiting for rank 0" in proc.stderr:
-        # Open (docs/reliability.md): in 2 of about 20 runs of this loop, rank 0's relaunch
-        # waited out dist.timeout, naming ranks that did not arrive, while ranks 1 and 2 waited
-        # for rank 0 and rank 3 was in neither: most likely the abort did not end rank 3's wait
-        # (the abort gap for gloo loops the slots did not note), not confirmed. Only that
-        # failure is let through, with the ranks' lines; any other still fails the test.
-        print("\n".join(ours)[-5000:])
-        pytest.xfail("open: rank 0 timed out naming ranks that did not arrive; ranks 1-2 waited for it")
     assert proc.returncode == 0, "\n".join(ours)[-5000:] + "\n...\n" + proc.stderr[-2000:]
+    # Every group's gloo loop found: the user thread opens more descriptors while a group is made
+    # than the slots leave room for (seen in 2 of about 20 runs: a loop not found, so rank 3's
+    # wait outlived the abort by dist.timeout and the next launch timed out; 25 groups a run missed)
+    assert "was not found among" not in proc.stderr, "\n".join(ours)[-5000:]
     rows = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in rows] == [0, 1, 2, 3], proc.stdout[-3000:]
     worst, pokes = 0.0, []

@@ -242,3 +242,21 @@ def test_init_dist_argument_typos_suggest_the_closest_name() -> None:
     with pytest.raises(TypeError) as info:
         parallelctx.init_dist("pytorch", zzz=1)
     assert "did you mean" not in str(info.value)
+
+
+def test_lines_of_ranks_sharing_one_stderr_pipe_never_glue() -> None:
+    # Under torchrun every rank's stderr is one pipe; print(..., file=sys.stderr) writes the text
+    # and its newline in two calls, so two ranks' "parallelctx check: ..." lines came out glued
+    # (test_check_fails_like_plan_under_torchrun, 2026-12-06; 4,524 of 12,000 lines with print
+    # in this set-up). The command-line tools write each line in one call.
+    import os
+
+    line = "parallelctx check: " + "x" * 120
+    code = f"from parallelctx.cli.stderr import say\nfor _ in range(3000): say({line!r})"
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", code], stderr=write) for _ in range(4)]
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        lines = pipe.read().decode().splitlines()
+    assert [p.wait(60) for p in procs] == [0] * 4
+    assert len(lines) == 12000 and set(lines) == {line}, [x for x in lines if x != line][:3]

@@ -62,8 +62,11 @@ class Noise:
             listener.setblocking(False)
             self.kept.append(listener)
             with socket.create_connection(listener.getsockname()) as client:
-                conn, _ = select.select([listener], [], [], 1.0)[0][0].accept()
-                conn.close()
+                # poll, not select: a slow cycle keeps more than 1,024 listeners
+                waiting = select.poll()
+                waiting.register(listener, select.POLLIN)
+                if waiting.poll(1000):
+                    listener.accept()[0].close()
                 client.close()
             time.sleep(0.005)
 
@@ -111,8 +114,11 @@ def cycle(rank: int) -> dict[str, Any]:
         time.sleep(2.5)  # never enters the collective
     row["pokes"] = noise.pokes()
     row["server_pokes"] = 0
-    while select.select([server], [], [], 0)[0]:
-        server.accept()[0].close()
+    while True:
+        try:
+            server.accept()[0].close()
+        except BlockingIOError:
+            break
         row["server_pokes"] += 1
     server.close()
     gpc.destroy()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -30,6 +29,7 @@ from ..context import ParallelContext
 from ..planning.layout import Layout, ParallelMode
 from ..runtime.seed import STREAMS
 from .placement import span_of_groups
+from .stderr import say
 from .timing import (
     DEFAULT_SIZES,
     ModeTiming,
@@ -253,10 +253,10 @@ def _progress(rank: int, quiet: bool, module: str | None = None) -> Callable[[st
         return None
     whose = f"module {module}: " if module is not None else ""
 
-    def say(line: str) -> None:
-        print(f"parallelctx check: {whose}{line}", file=sys.stderr, flush=True)
+    def progress(line: str) -> None:
+        say(f"parallelctx check: {whose}{line}")
 
-    return say
+    return progress
 
 
 @dataclass
@@ -373,7 +373,7 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
         if args.iters < 1 or args.warmup < 0:
             raise ValueError(f"--iters={args.iters} must be >= 1 and --warmup={args.warmup} >= 0")
     except ValueError as exc:
-        print(f"parallelctx check: {exc}", file=sys.stderr)
+        say(f"parallelctx check: {exc}")
         return 2
     from ..context import gpc
     from ..launch import launch_from_env
@@ -382,7 +382,7 @@ def run(args: argparse.Namespace, prepare: Callable[[ParallelContext], None] | N
     try:
         launch_from_env(args.config)
     except (ValueError, RendezvousError) as exc:  # a bad config or layout, here or on another rank
-        print(f"parallelctx check: {exc}", file=sys.stderr, flush=True)
+        say(f"parallelctx check: {exc}")
         return 2
     try:
         if prepare is not None:

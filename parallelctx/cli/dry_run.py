@@ -34,6 +34,7 @@ from typing import Any
 
 from ..guard.recorder import DryRun
 from ..planning.simulation import Simulation, parse_simulate, torchrun_environment
+from .stderr import say
 
 __all__ = ["add_arguments", "run", "run_one", "run_sweep"]
 
@@ -406,7 +407,7 @@ def _run_many(args: argparse.Namespace) -> int:
     try:
         ranks = [] if cover else parse_ranks(args.ranks, args.world_size)
     except ValueError as exc:
-        print(f"parallelctx dry-run: {exc}", file=sys.stderr)
+        say(f"parallelctx dry-run: {exc}")
         return 2
     begin = time.perf_counter()
     if cover:
@@ -466,13 +467,13 @@ def run(args: argparse.Namespace) -> int:
         cross-rank check agreed, 1 otherwise; 2 for bad options.
     """
     if not Path(args.script).is_file():
-        print(f"parallelctx dry-run: no script {args.script!r}", file=sys.stderr)
+        say(f"parallelctx dry-run: no script {args.script!r}")
         return 2
     try:
         _simulation(args, args.rank)
         _check_options(args)
     except ValueError as exc:
-        print(f"parallelctx dry-run: {exc}", file=sys.stderr)
+        say(f"parallelctx dry-run: {exc}")
         return 2
     if args.ranks is not None:
         return _run_many(args)

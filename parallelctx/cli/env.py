@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from .stderr import say
+
 __all__ = ["run"]
 
 
@@ -16,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         found = detect()
     except LaunchEnvError as exc:
-        print(f"parallelctx env: {exc}", file=sys.stderr)
+        say(f"parallelctx env: {exc}")
         return 2
     info = found.as_dict()
     if args.json:

@@ -22,6 +22,7 @@ from .placement import (
     placement_warnings,
     uneven_nodes,
 )
+from .stderr import say
 
 __all__ = ["JSON_FULL_LIMIT", "module_heading", "run", "run_modules"]
 
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         par = load_config(args.config).parallel if args.config is not None else None
     except (LayoutError, ValueError, OSError) as exc:  # ConfigError and pydantic errors are ValueErrors
-        print(f"parallelctx plan: {exc}", file=sys.stderr)
+        say(f"parallelctx plan: {exc}")
         return 2
     if par is not None and par.modules:
         return run_modules(args, par)
@@ -150,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
             warnings = placement_warnings(layout, args.nproc_per_node)
             spans = node_spans(layout, node_ids(world, args.nproc_per_node))
     except (LayoutError, ValueError, OSError) as exc:  # ConfigError and pydantic errors are ValueErrors
-        print(f"parallelctx plan: {exc}", file=sys.stderr)
+        say(f"parallelctx plan: {exc}")
         return 2
     for warning in warnings:
-        print(f"parallelctx plan: warning: {warning}", file=sys.stderr)
+        say(f"parallelctx plan: warning: {warning}")
     extra: dict[str, Any] = {}
     if args.nproc_per_node is not None:
         extra["placement"] = {
@@ -302,11 +303,11 @@ def run_modules(args: argparse.Namespace, par: ParallelConfig) -> int:
                 warnings += [(name, w) for w in placement_warnings(lay, args.nproc_per_node, whole_job=False)]
                 spans[name] = node_spans(lay, layout_nodes(lay, args.nproc_per_node))
     except (LayoutError, ValueError, OSError) as exc:
-        print(f"parallelctx plan: {exc}", file=sys.stderr)
+        say(f"parallelctx plan: {exc}")
         return 2
     for module, warning in warnings:
         where = f"module {module}: " if module is not None else ""
-        print(f"parallelctx plan: warning: {where}{warning}", file=sys.stderr)
+        say(f"parallelctx plan: warning: {where}{warning}")
     extra: dict[str, Any] = {}
     if args.nproc_per_node is not None:
         extra["placement"] = {
@@ -354,21 +355,18 @@ def _write_files(
         try:
             draw(path, fmt)
         except PictureError as exc:
-            print(f"parallelctx plan: {exc}", file=sys.stderr)
+            say(f"parallelctx plan: {exc}")
             return 2
-        print(f"parallelctx plan: wrote {path}", file=sys.stderr)
+        say(f"parallelctx plan: wrote {path}")
     if args.output is not None:
         with open(args.output, "w", encoding="utf-8") as out:
             full(out)
-        print(f"parallelctx plan: wrote {args.output}", file=sys.stderr)
+        say(f"parallelctx plan: wrote {args.output}")
     elif args.json:
         if world > JSON_FULL_LIMIT:
             json.dump(summary(), sys.stdout)
             sys.stdout.write("\n")
-            print(
-                f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group",
-                file=sys.stderr,
-            )
+            say(f"parallelctx plan: {world} ranks: printed a summary; --output FILE writes every group")
         else:
             full(sys.stdout)
     return None

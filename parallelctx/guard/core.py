@@ -38,7 +38,7 @@ logger = logging.getLogger("parallelctx")
 class Held:
     """One group the guard holds: the process group, this rank's index in it and its size, and
     the descriptors its creation opened, among which its gloo event loop is found when first
-    needed (None for a group of another backend or of one rank)."""
+    needed (None for a group of another backend)."""
 
     group: Any
     rank: int
@@ -81,7 +81,7 @@ class Guard:
         if not isinstance(group, dist.ProcessGroup):
             return None
         size = group.size()
-        opened = slots.opened() if slots is not None and size > 1 and _is_gloo(group) else None
+        opened = slots.opened() if slots is not None and _is_gloo(group) else None
         held = Held(group, group.rank(), size, opened)
         with self._lock:
             self._held[id(group)] = held

@@ -12,7 +12,11 @@ number, so the descriptors a group's creation opens (gloo's pipe, its epoll, its
 in the lowest numbers that were free just before: :meth:`FdSlots.reserve` reads them (one
 ``open`` and a few ``dup``), :meth:`FdSlots.gloo_loop` looks at those numbers only, after the group
 is made. A descriptor another thread opens meanwhile takes one of the slots and shifts gloo's by
-one: :data:`SLOTS` leaves room for many.
+one: :data:`SLOTS` leaves room for many. When more than that were opened (a thread opening
+sockets without pause while a group that waits on its peers is made), the slots do not hold the
+whole loop; :meth:`FdSlots.opened` sees that (one read of the noted epoll's registrations) and
+notes every descriptor of the process instead, among which the group's loop is taken only when
+it is the one gloo loop not found before (:meth:`Opened.gloo_loop`).
 
 Linux only (``/proc``); elsewhere no loop is found and abort falls back to ``ProcessGroup.abort``.
 Imports nothing from parallelctx.
@@ -27,7 +31,7 @@ import platform
 import re
 import socket
 import stat
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 
 __all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "Opened", "endpoint_of", "shut_down_fd", "socket_at"]
@@ -38,7 +42,8 @@ Endpoint = tuple[str, int]
 SLOTS = 10
 """Free descriptor numbers read before each group is made: gloo opens its loop's pipe, epoll and
 listener first (4 descriptors), so up to 6 opened meanwhile by other threads still leave them
-among the slots (reading a slot costs a ``dup``; a group not found is logged)."""
+among the slots (reading a slot costs a ``dup``); past that, every descriptor of the process
+is noted (:meth:`FdSlots.opened`)."""
 
 _EPOLL = "anon_inode:[eventpoll]"
 _NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux, where /proc is read
@@ -174,6 +179,12 @@ def _disarm(epoll: int, fd: int, data: int) -> bool:
     return bool(libc.epoll_ctl(epoll, _EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0)
 
 
+def _anonymous(info: os.stat_result) -> bool:
+    """Whether ``info`` (an ``fstat``) is of an anonymous-inode descriptor (epoll, eventfd,
+    timerfd: no file type bits), as no pipe, socket or file is."""
+    return stat.S_IFMT(info.st_mode) == 0
+
+
 def _anonymous_pipe(fd: int) -> bool:
     """Whether descriptor ``fd`` (a FIFO by ``fstat``) is an anonymous pipe, as gloo's wake-up
     pipe is, and not a named FIFO (``mkfifo``) that another thread's loop may watch."""
@@ -200,8 +211,9 @@ class GlooLoop:
         wake-up pipe and a listening TCP socket (its listener) whose inode is not in ``known``
         (the listeners of loops found before); else None. Another thread's event loop opened
         meanwhile in the same slots (a ``selectors`` or asyncio server: no pipe registered) is
-        not taken for it; a TCPStore server's libuv loop looks the same: reserve the slots after
-        the launch's store exists. With ``noted`` (descriptor, inode) pairs, the loop's wake-up
+        not taken for it, nor a loop that registers an anonymous descriptor (libuv's eventfd: a
+        TCPStore server's loop, which registers a pipe and a listener too). With ``noted``
+        (descriptor, inode) pairs, the loop's wake-up
         pipe and listener must be among them: an epoll's own inode is the same for every
         anonymous descriptor, so only what it registers tells one loop from another. Never
         raises."""
@@ -217,6 +229,8 @@ class GlooLoop:
                 modes[tfd] = os.fstat(tfd)
             except OSError:
                 continue
+        if any(_anonymous(info) for info in modes.values()):
+            return None  # an eventfd (libuv's wake-up) or another epoll: not gloo's loop
         ours = (lambda pair: True) if noted is None else set(noted).__contains__
         if not any(
             stat.S_ISFIFO(info.st_mode) and ours((tfd, info.st_ino)) and _anonymous_pipe(tfd)
@@ -322,22 +336,47 @@ class FdSlots:
     def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
         """Return the gloo loop a group made since :meth:`reserve` opened in these slots (see
         :meth:`GlooLoop.at`; ``known``: listener inodes of loops found before), or None (not a
-        gloo group, not Linux, or more than ``SLOTS - 4`` descriptors opened meanwhile by other
-        threads). Never raises."""
+        gloo group, not Linux, or not told apart from another loop: :meth:`Opened.gloo_loop`).
+        Never raises."""
         return self.opened().gloo_loop(known)
 
     def opened(self) -> Opened:
         """Return what these slots hold now: each slot's descriptor and its inode (one ``fstat``
         each; the free ones left out). Called right after a group is made, it notes what the
         group opened, cheaply; :meth:`Opened.gloo_loop` finds the loop among them later, when an
-        abort or a teardown needs it. Never raises."""
+        abort or a teardown needs it.
+
+        When the slots do not hold a whole loop (an epoll among them registering a pipe and a
+        socket also among them: one read of its registrations), more descriptors were opened
+        meanwhile than the slots leave room for, or a number freed meanwhile was taken: every
+        descriptor of the process is noted instead (:meth:`Opened.everything`). Never raises."""
         found = []
+        modes: dict[tuple[int, int], os.stat_result] = {}
         for fd in self.numbers:
             try:
-                found.append((fd, os.fstat(fd).st_ino))
+                info = os.fstat(fd)
             except OSError:
                 continue
-        return Opened(tuple(found))
+            found.append((fd, info.st_ino))
+            modes[(fd, info.st_ino)] = info
+        if _holds_a_loop(modes):
+            return Opened(tuple(found))
+        return Opened.everything()
+
+
+def _holds_a_loop(noted: Mapping[tuple[int, int], os.stat_result]) -> bool:
+    """Whether an epoll among ``noted`` ((descriptor, inode) to its ``fstat``) registers a pipe
+    and a socket that are ``noted`` too: the slots hold a whole loop (whose, :meth:`GlooLoop.at`
+    decides later)."""
+    for (fd, _), info in noted.items():
+        if not _anonymous(info):
+            continue
+        registered = [pair for pair in _registered(fd) if pair in noted]
+        if any(stat.S_ISFIFO(noted[pair].st_mode) for pair in registered) and any(
+            stat.S_ISSOCK(noted[pair].st_mode) for pair in registered
+        ):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -347,13 +386,39 @@ class Opened:
     closed and reused since from the descriptor noted."""
 
     descriptors: tuple[tuple[int, int], ...]
+    #: Every descriptor of the process was noted (:meth:`everything`), not only the slots.
+    wide: bool = False
+
+    @classmethod
+    def everything(cls) -> Opened:
+        """Note every descriptor of the process now, with its inode (``/proc/self/fd``: a
+        scan, made only when the slots missed a group's loop).
+
+        Returns:
+            The note, :attr:`wide`; empty where ``/proc`` cannot be read. Never raises.
+        """
+        try:
+            names = os.listdir("/proc/self/fd")
+        except OSError:
+            return cls((), wide=True)
+        found = []
+        for name in names:
+            with contextlib.suppress(OSError, ValueError):
+                found.append((int(name), os.fstat(int(name)).st_ino))
+        return cls(tuple(sorted(found)), wide=True)
 
     def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
         """Return the gloo loop among the noted descriptors (see :meth:`GlooLoop.at`; ``known``:
         listener inodes of loops found before), or None. A noted number may hold another file
         now, and every anonymous descriptor (epoll, eventfd) has the same inode, so a loop is
         taken only when its wake-up pipe and its listener are noted descriptors still holding
-        the file they held (pipes and sockets have inodes of their own). Never raises."""
+        the file they held (pipes and sockets have inodes of their own).
+
+        A :attr:`wide` note holds every loop alive when it was taken: the group's own, made
+        just before, and any older one not in ``known`` (a user's gloo group, another thread's
+        loop). It gives a loop only when exactly one is there; with two, taking either could
+        shut another group's connections down at abort, which is worse than none. Never raises."""
+        found: dict[int, GlooLoop] = {}
         for fd, inode in self.descriptors:
             try:
                 if os.fstat(fd).st_ino != inode:
@@ -362,5 +427,7 @@ class Opened:
                 continue
             loop = GlooLoop.at(fd, known, self.descriptors)
             if loop is not None:
-                return loop
-        return None
+                if not self.wide:
+                    return loop
+                found[loop.listener_inode] = loop
+        return next(iter(found.values())) if len(found) == 1 else None

@@ -237,8 +237,9 @@ class GroupMaker:
         """
         if local and ranks is not None:
             self.claim(ranks)
-        # a group of one rank has no peers, so no connection for abort to shut down
-        slots = FdSlots.reserve() if ranks is None or len(ranks) > 1 else None
+        # A group of one rank has no connection for abort to shut down, but gloo gives it an
+        # event loop too: noted, it is known, and never taken for a later group's
+        slots = FdSlots.reserve()
         with lazy_gloo(self.lazy):
             if backend not in self._connects:
                 self._connects[backend] = connects_at_creation(backend)
