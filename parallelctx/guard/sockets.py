@@ -346,8 +346,8 @@ class FdSlots:
         group opened, cheaply; :meth:`Opened.gloo_loop` finds the loop among them later, when an
         abort or a teardown needs it.
 
-        When the slots do not hold a whole loop (an epoll among them registering a pipe and a
-        socket also among them: one read of its registrations), more descriptors were opened
+        When the slots do not hold a whole loop (an epoll among them registering a wake-up pipe
+        and a listener also among them: one read of its registrations), more descriptors were opened
         meanwhile than the slots leave room for, or a number freed meanwhile was taken: every
         descriptor of the process is noted instead (:meth:`Opened.everything`). Never raises."""
         found = []
@@ -365,18 +365,11 @@ class FdSlots:
 
 
 def _holds_a_loop(noted: Mapping[tuple[int, int], os.stat_result]) -> bool:
-    """Whether an epoll among ``noted`` ((descriptor, inode) to its ``fstat``) registers a pipe
-    and a socket that are ``noted`` too: the slots hold a whole loop (whose, :meth:`GlooLoop.at`
-    decides later)."""
-    for (fd, _), info in noted.items():
-        if not _anonymous(info):
-            continue
-        registered = [pair for pair in _registered(fd) if pair in noted]
-        if any(stat.S_ISFIFO(noted[pair].st_mode) for pair in registered) and any(
-            stat.S_ISSOCK(noted[pair].st_mode) for pair in registered
-        ):
-            return True
-    return False
+    """Whether ``noted`` ((descriptor, inode) to its ``fstat``) holds a whole gloo-like loop: an
+    epoll among them that :meth:`GlooLoop.at` takes with its pipe and listener among them too
+    (a connection in the slots with the listener past them is not enough)."""
+    pairs = tuple(noted)
+    return any(_anonymous(info) and GlooLoop.at(fd, (), pairs) is not None for (fd, _), info in noted.items())
 
 
 @dataclass(frozen=True)
