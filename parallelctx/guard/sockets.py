@@ -53,6 +53,9 @@ _TFD = re.compile(
 _EPOLLIN, _EPOLLOUT, _EPOLLONESHOT, _EPOLL_CTL_MOD = 0x001, 0x004, 1 << 30, 3
 
 
+_LIBC = ctypes.CDLL(None, use_errno=True)  # this process's C library (epoll_ctl, getsockopt)
+
+
 class _EpollEvent(ctypes.Structure):
     """``struct epoll_event``: packed on x86-64 (the kernel's ABI there), natural elsewhere."""
 
@@ -174,9 +177,8 @@ def _disarm(epoll: int, fd: int, data: int) -> bool:
     """Leave ``fd``'s registration on ``epoll`` in place but report at most one more event
     (EPOLLONESHOT and no events asked; the owner's ``data`` kept): the owner's later removal of
     it still succeeds. Returns whether the kernel took the change."""
-    libc = ctypes.CDLL(None, use_errno=True)
     event = _EpollEvent(_EPOLLONESHOT, data)
-    return bool(libc.epoll_ctl(epoll, _EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0)
+    return bool(_LIBC.epoll_ctl(epoll, _EPOLL_CTL_MOD, fd, ctypes.byref(event)) == 0)
 
 
 def _anonymous(info: os.stat_result) -> bool:
@@ -366,10 +368,29 @@ class FdSlots:
 
 def _holds_a_loop(noted: Mapping[tuple[int, int], os.stat_result]) -> bool:
     """Whether ``noted`` ((descriptor, inode) to its ``fstat``) holds a whole gloo-like loop: an
-    epoll among them that :meth:`GlooLoop.at` takes with its pipe and listener among them too
-    (a connection in the slots with the listener past them is not enough)."""
-    pairs = tuple(noted)
-    return any(_anonymous(info) and GlooLoop.at(fd, (), pairs) is not None for (fd, _), info in noted.items())
+    epoll among them registering a pipe and a listening socket also among them (a connection
+    in the slots with the listener past them is not enough). Cheaper than :meth:`GlooLoop.at`,
+    which decides later whose loop it is: one read of each noted epoll's registrations and a
+    ``getsockopt`` on the descriptor itself (a number reused in between only sends the group
+    to the wide note, or back to the slots' own look)."""
+    for (fd, _), info in noted.items():
+        if not _anonymous(info):
+            continue
+        registered = [pair for pair in _registered(fd) if pair in noted]
+        if any(stat.S_ISFIFO(noted[pair].st_mode) for pair in registered) and any(
+            stat.S_ISSOCK(noted[pair].st_mode) and _listening(pair[0]) for pair in registered
+        ):
+            return True
+    return False
+
+
+def _listening(fd: int) -> bool:
+    """Whether the socket at ``fd`` listens (``SO_ACCEPTCONN``), asked of the descriptor itself."""
+    value, size = ctypes.c_int(0), ctypes.c_uint32(ctypes.sizeof(ctypes.c_int))
+    done = _LIBC.getsockopt(
+        fd, socket.SOL_SOCKET, socket.SO_ACCEPTCONN, ctypes.byref(value), ctypes.byref(size)
+    )
+    return bool(done == 0 and value.value)
 
 
 @dataclass(frozen=True)
