@@ -405,8 +405,9 @@ class Opened:
 
     @classmethod
     def everything(cls) -> Opened:
-        """Note every descriptor of the process now, with its inode (``/proc/self/fd``: a
-        scan, made only when the slots missed a group's loop).
+        """Note every descriptor of the process now that could be part of a loop (epolls,
+        pipes, sockets: not the regular files a process may hold by the thousand), with its
+        inode (``/proc/self/fd``: a scan, made only when the slots missed a group's loop).
 
         Returns:
             The note, :attr:`wide`; empty where ``/proc`` cannot be read. Never raises.
@@ -418,7 +419,9 @@ class Opened:
         found = []
         for name in names:
             with contextlib.suppress(OSError, ValueError):
-                found.append((int(name), os.fstat(int(name)).st_ino))
+                info = os.fstat(int(name))
+                if _anonymous(info) or stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
+                    found.append((int(name), info.st_ino))
         return cls(tuple(sorted(found)), wide=True)
 
     def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
