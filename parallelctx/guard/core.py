@@ -98,7 +98,11 @@ class Guard:
             if held.opened is None:
                 continue
             if key not in self._loops:
-                loop = held.opened.gloo_loop(known)
+                candidates = held.opened.loops(known)
+                loop = held.opened.pick(candidates)
+                # every loop alive when this group was noted is older than any later group's
+                # (a DEBUG=DETAIL wrapper's, another thread's, a user's): never a later one's
+                known.update(candidate.listener_inode for candidate in candidates)
                 self._loops[key] = loop
                 if loop is None:
                     logger.warning(

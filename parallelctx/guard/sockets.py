@@ -31,7 +31,7 @@ import platform
 import re
 import socket
 import stat
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 __all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "Opened", "endpoint_of", "shut_down_fd", "socket_at"]
@@ -173,6 +173,14 @@ def _registrations(epoll: int) -> list[tuple[int, int, int, int]]:
     ]
 
 
+def _by_number(registrations: Iterable[tuple[int, int, int, int]]) -> bool:
+    """Whether any of ``registrations`` (from :func:`_registrations`) carries its own descriptor
+    number as its data, as Python's ``select.epoll`` and libuv register every descriptor (the
+    ``fd`` member of the data union: its low 32 bits; Python leaves the rest as it found it);
+    gloo registers the address of a handler object."""
+    return any(data & 0xFFFFFFFF == fd for fd, _, data, _ in registrations)
+
+
 def _disarm(epoll: int, fd: int, data: int) -> bool:
     """Leave ``fd``'s registration on ``epoll`` in place but report at most one more event
     (EPOLLONESHOT and no events asked; the owner's ``data`` kept): the owner's later removal of
@@ -212,9 +220,11 @@ class GlooLoop:
         """Return the gloo loop whose epoll descriptor is ``fd``: an epoll that registers gloo's
         wake-up pipe and a listening TCP socket (its listener) whose inode is not in ``known``
         (the listeners of loops found before); else None. Another thread's event loop opened
-        meanwhile in the same slots (a ``selectors`` or asyncio server: no pipe registered) is
-        not taken for it, nor a loop that registers an anonymous descriptor (libuv's eventfd: a
-        TCPStore server's loop, which registers a pipe and a listener too). With ``noted``
+        meanwhile in the same slots is not taken for it: gloo registers each descriptor with the
+        address of its handler, where Python's ``select.epoll`` (``selectors``, asyncio) and
+        libuv (a TCPStore server) register it with its own number, even with a pipe and a
+        listener registered like gloo's; nor is a loop that registers an anonymous descriptor
+        (an eventfd). With ``noted``
         (descriptor, inode) pairs, the loop's wake-up
         pipe and listener must be among them: an epoll's own inode is the same for every
         anonymous descriptor, so only what it registers tells one loop from another. Never
@@ -224,7 +234,10 @@ class GlooLoop:
                 return None
         except OSError:
             return None
-        registered = sorted(_registered(fd))
+        registrations = _registrations(fd)
+        if _by_number(registrations):
+            return None  # Python's select.epoll (selectors, asyncio) or libuv: not gloo's loop
+        registered = sorted((tfd, inode) for tfd, _, _, inode in registrations)
         modes: dict[int, os.stat_result] = {}
         for tfd, _ in registered:
             try:
@@ -233,7 +246,10 @@ class GlooLoop:
                 continue
         if any(_anonymous(info) for info in modes.values()):
             return None  # an eventfd (libuv's wake-up) or another epoll: not gloo's loop
-        ours = (lambda pair: True) if noted is None else set(noted).__contains__
+        if noted is None:
+            ours: Callable[[tuple[int, int]], bool] = lambda pair: True  # noqa: E731
+        else:
+            ours = (noted if isinstance(noted, (set, frozenset)) else set(noted)).__contains__
         if not any(
             stat.S_ISFIFO(info.st_mode) and ours((tfd, info.st_ino)) and _anonymous_pipe(tfd)
             for tfd, info in modes.items()
@@ -376,7 +392,12 @@ def _holds_a_loop(noted: Mapping[tuple[int, int], os.stat_result]) -> bool:
     for (fd, _), info in noted.items():
         if not _anonymous(info):
             continue
-        registered = [pair for pair in _registered(fd) if pair in noted]
+        registrations = _registrations(fd)
+        if _by_number(registrations):
+            continue  # another library's loop (GlooLoop.at rejects it the same way)
+        registered = [(tfd, inode) for tfd, _, _, inode in registrations if (tfd, inode) in noted]
+        if any(_anonymous(noted[pair]) for pair in registered):
+            continue  # an eventfd or an epoll registered: not gloo's
         if any(stat.S_ISFIFO(noted[pair].st_mode) for pair in registered) and any(
             stat.S_ISSOCK(noted[pair].st_mode) and _listening(pair[0]) for pair in registered
         ):
@@ -435,6 +456,23 @@ class Opened:
         just before, and any older one not in ``known`` (a user's gloo group, another thread's
         loop). It gives a loop only when exactly one is there; with two, taking either could
         shut another group's connections down at abort, which is worse than none. Never raises."""
+        return self.pick(self.loops(known))
+
+    def pick(self, loops: list[GlooLoop]) -> GlooLoop | None:
+        """Return the group's loop among ``loops`` (:meth:`loops` of this note): the first of
+        the slots' (a DEBUG=DETAIL wrapper's own gloo group comes after the group's), the one
+        of a :attr:`wide` note when it is alone, else None. Never raises."""
+        if not self.wide:
+            return loops[0] if loops else None
+        return loops[0] if len(loops) == 1 else None
+
+    def loops(self, known: Collection[int] = ()) -> list[GlooLoop]:
+        """Return every gloo loop among the noted descriptors whose listener is not in
+        ``known``, in the order of their epoll descriptors: the candidates :meth:`gloo_loop`
+        chooses from. Every loop of a note was alive when the note was taken, so none of them is
+        the loop of a group made later (the guard counts them all as known for later groups).
+        Never raises."""
+        noted = frozenset(self.descriptors)
         found: dict[int, GlooLoop] = {}
         for fd, inode in self.descriptors:
             try:
@@ -442,9 +480,7 @@ class Opened:
                     continue  # closed and reused since: not the group's any more
             except OSError:
                 continue
-            loop = GlooLoop.at(fd, known, self.descriptors)
+            loop = GlooLoop.at(fd, known, noted)
             if loop is not None:
-                if not self.wide:
-                    return loop
-                found[loop.listener_inode] = loop
-        return next(iter(found.values())) if len(found) == 1 else None
+                found.setdefault(loop.listener_inode, loop)
+        return list(found.values())
