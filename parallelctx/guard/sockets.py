@@ -224,11 +224,9 @@ class GlooLoop:
         address of its handler, where Python's ``select.epoll`` (``selectors``, asyncio) and
         libuv (a TCPStore server) register it with its own number, even with a pipe and a
         listener registered like gloo's; nor is a loop that registers an anonymous descriptor
-        (an eventfd). With ``noted``
-        (descriptor, inode) pairs, the loop's wake-up
-        pipe and listener must be among them: an epoll's own inode is the same for every
-        anonymous descriptor, so only what it registers tells one loop from another. Never
-        raises."""
+        (an eventfd). With ``noted`` (descriptor, inode) pairs, the loop's wake-up pipe and
+        listener must be among them: an epoll's own inode is the same for every anonymous
+        descriptor, so only what it registers tells one loop from another. Never raises."""
         try:
             if os.readlink(f"/proc/self/fd/{fd}") != _EPOLL:
                 return None
