@@ -426,6 +426,14 @@ def _loops_alive() -> set[int]:
     return {loop.listener_inode for name in os.listdir("/proc/self/fd") if (loop := GlooLoop.at(int(name)))}
 
 
+def _past_the_slots(slots: object, others: list[int]) -> list[int]:
+    """Open descriptors into ``others`` until the next one opened lands past ``slots`` (another
+    thread's, opened while the group is made); returns ``others``."""
+    while not others or others[-1] < max(slots.numbers):  # type: ignore[attr-defined]
+        others.append(os.open(os.devnull, os.O_RDONLY))
+    return others
+
+
 def _close(*loops: tuple[object, int, int, socket.socket]) -> None:
     for epoll, wake_r, wake_w, listener in loops:
         epoll.close()  # type: ignore[attr-defined]
@@ -547,9 +555,7 @@ def test_another_librarys_loop_with_a_pipe_and_a_listener_is_never_taken(pushed:
     server = socket.create_server(("127.0.0.1", 0))
     selector.register(self_r, selectors.EVENT_READ)
     selector.register(server, selectors.EVENT_READ)
-    others = []
-    while pushed and (not others or others[-1] < max(slots.numbers)):
-        others.append(os.open(os.devnull, os.O_RDONLY))
+    others = _past_the_slots(slots, []) if pushed else []
     ours = _gloo_like()
     opened = slots.opened()
     try:
@@ -564,44 +570,23 @@ def test_another_librarys_loop_with_a_pipe_and_a_listener_is_never_taken(pushed:
             os.close(fd)
 
 
-def test_a_tcpstore_server_in_the_slots_does_not_hide_a_loop_past_them() -> None:
-    # skeptic, 2026-12-06: a TCPStore server started while a group is made filled the slots (its
-    # libuv loop registers a pipe and a listener, and an eventfd); the slots were taken to hold
-    # a whole loop, so no wide note was made, and the group's loop, past them, was missed.
-    from parallelctx.guard.sockets import FdSlots
-
-    known = _loops_alive()
-    slots = FdSlots.reserve()
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5), wait_for_workers=False)
-    others = []
-    while not others or others[-1] < max(slots.numbers):
-        others.append(os.open(os.devnull, os.O_RDONLY))
-    ours = _gloo_like()
-    opened = slots.opened()
-    try:
-        assert opened.wide
-        found = opened.gloo_loop(known)
-        assert found is not None and found.listener_fd == ours[3].fileno()
-    finally:
-        _close(ours)
-        del store
-        for fd in others:
-            os.close(fd)
-
-
-def test_a_tcpstore_servers_loop_is_never_taken_for_a_groups() -> None:
+@pytest.mark.parametrize("store_in_slots", [False, True])
+def test_a_tcpstore_servers_loop_is_never_taken_for_a_groups(store_in_slots: bool) -> None:
     # A TCPStore server (libuv: an epoll registering a pipe and a listener, like gloo's, and an
-    # eventfd, unlike it) started while a group is made, its numbers past the slots too: the
-    # group's loop is the one found.
+    # eventfd, unlike it) started while a group is made, the group's loop past the slots: the
+    # group's loop is the one found. In the slots: the server's loop filled them and was taken to
+    # hold a whole loop, so no wide note was made and the group's was missed (skeptic, 2026-12-06).
     from parallelctx.guard.sockets import SLOTS, FdSlots, GlooLoop
 
     known = _loops_alive()
     slots = FdSlots.reserve()
-    others = [os.open(os.devnull, os.O_RDONLY) for _ in range(SLOTS)]
+    others = [] if store_in_slots else [os.open(os.devnull, os.O_RDONLY) for _ in range(SLOTS)]
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    _past_the_slots(slots, others)
     ours = _gloo_like()
     opened = slots.opened()
     try:
+        assert opened.wide
         servers = [
             fd
             for fd, _ in opened.descriptors
@@ -617,67 +602,7 @@ def test_a_tcpstore_servers_loop_is_never_taken_for_a_groups() -> None:
             os.close(fd)
 
 
-def test_a_real_gloo_groups_loop_past_the_slots_is_its_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # torch's gloo, in a fresh process of one rank, groups made as a launch makes them: groups
-    # of one rank (gloo gives each a loop: not noted, they were taken for a later group's, or
-    # made it ambiguous, seen in the lazy-bridge loop) and a group whose loop another thread's
-    # descriptors push past the slots.
-    # The loop found is the group's: it goes when the group is destroyed, the others stay.
-    script = tmp_path / "real.py"
-    script.write_text(
-        """
-import gc, os, sys
-from datetime import timedelta
-import torch.distributed as dist
-from parallelctx.guard.core import Guard
-from parallelctx.guard.sockets import SLOTS, FdSlots
-from parallelctx.runtime.groups import GroupMaker
-
-guard = Guard()
-slots = FdSlots.reserve()
-dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-guard.hold(dist.group.WORLD, slots)
-maker = GroupMaker(guard, timedelta(seconds=30), world_size=1)
-singles = [maker.new_group([0], f"single{i}") for i in range(3)]
-real, others = dist.new_group, []
-
-def crowded(*args, **kwargs):
-    others.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(SLOTS))  # another thread's
-    return real(*args, **kwargs)
-
-dist.new_group = crowded
-group = maker.new_group([0], "crowded")
-dist.new_group = real
-held = maker.made[-1]
-assert held.group is group and held.opened.wide, held.opened
-loops = {id(h.group): loop for h, loop in guard._found_loops()}
-assert len(loops) == 5, loops
-ours = loops[id(group)]
-assert len({loop.epoll for loop in loops.values()}) == 5
-guard.release([group])
-dist.destroy_process_group(group)
-del group, held
-maker.made.clear()
-gc.collect()
-assert not ours.alive(), ours
-assert all(loop.alive() for key, loop in loops.items() if loop is not ours)
-print("OK")
-"""
-    )
-    import subprocess
-
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-
-
-def test_a_users_gloo_group_makes_one_wide_note_ambiguous_not_the_next(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    # A user's own gloo group (plain dist.new_group, not held) is a loop the guard never found:
-    # in a wide note beside the group's, the two cannot be told apart (None, warned). Every loop
-    # of that note was alive before any later group was made, so the next wide note's group is
-    # found (its loop the one loop not seen before); before, every later wide note was ambiguous.
-    script = tmp_path / "user_group.py"
-    script.write_text(
-        """
+_REAL = """
 import gc, os
 from datetime import timedelta
 import torch.distributed as dist
@@ -690,13 +615,69 @@ slots = FdSlots.reserve()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 guard.hold(dist.group.WORLD, slots)
 maker = GroupMaker(guard, timedelta(seconds=30), world_size=1)
-users = dist.new_group([0], backend="gloo")  # the user's, never held
 real, others = dist.new_group, []
 
 def crowded(*args, **kwargs):
-    others.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(SLOTS))
+    others.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(SLOTS))  # another thread's
     return real(*args, **kwargs)
 
+def gone(name):
+    \"\"\"Release and destroy the group of global ``name`` and drop every reference to it;
+    return its loop as found before.\"\"\"
+    group = globals().pop(name)
+    loop = {id(h.group): loop for h, loop in guard._found_loops()}[id(group)]
+    guard.release([group])
+    dist.destroy_process_group(group)
+    maker.made[:] = [h for h in maker.made if h.group is not group]
+    del group
+    gc.collect()
+    return loop
+"""
+
+
+def _run_real(tmp_path, body: str) -> None:  # type: ignore[no-untyped-def]
+    """Run ``body`` after :data:`_REAL` (a fresh process of one rank, torch's gloo, a guard and
+    a group maker as a launch has them, ``crowded``: another thread's descriptors opened while
+    a group is made); it must print OK."""
+    import subprocess
+
+    script = tmp_path / "real.py"
+    script.write_text(_REAL + body + '\nprint("OK")\n')
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_a_real_gloo_groups_loop_past_the_slots_is_its_own(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # torch's gloo, groups made as a launch makes them: groups of one rank (gloo gives each a
+    # loop: not noted, they were taken for a later group's, or made it ambiguous, seen in the
+    # lazy-bridge loop) and a group whose loop another thread's descriptors push past the
+    # slots. The loop found is the group's: it goes when the group is destroyed, the others stay.
+    _run_real(
+        tmp_path,
+        """
+singles = [maker.new_group([0], f"single{i}") for i in range(3)]
+dist.new_group = crowded
+group = maker.new_group([0], "crowded")
+dist.new_group = real
+assert maker.made[-1].group is group and maker.made[-1].opened.wide
+loops = {id(h.group): loop for h, loop in guard._found_loops()}
+assert len(loops) == 5 and len({loop.epoll for loop in loops.values()}) == 5, loops
+ours = gone("group")
+assert not ours.alive(), ours
+assert all(loop.alive() for loop in loops.values() if loop is not ours)
+""",
+    )
+
+
+def test_a_users_gloo_group_makes_one_wide_note_ambiguous_not_the_next(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # A user's own gloo group (plain dist.new_group, not held) is a loop the guard never found:
+    # in a wide note beside the group's, the two cannot be told apart (None, warned). Every loop
+    # of that note was alive before any later group was made, so the next wide note's group is
+    # found (its loop the one loop not seen before); before, every later wide note was ambiguous.
+    _run_real(
+        tmp_path,
+        """
+users = dist.new_group([0], backend="gloo")  # the user's, never held
 dist.new_group = crowded
 first = maker.new_group([0], "first")
 second = maker.new_group([0], "second")
@@ -704,17 +685,7 @@ dist.new_group = real
 assert all(held.opened.wide for held in maker.made)
 loops = {id(h.group): loop for h, loop in guard._found_loops()}
 assert id(first) not in loops, loops  # the user's loop beside it: not told apart
-ours = loops[id(second)]
-guard.release([second])
-dist.destroy_process_group(second)
-del second
-maker.made.pop()
-gc.collect()
+ours = gone("second")
 assert not ours.alive(), ours  # it was the second group's own loop
-print("OK")
-"""
+""",
     )
-    import subprocess
-
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
