@@ -635,15 +635,17 @@ def gone(name):
 """
 
 
-def _run_real(tmp_path, body: str) -> None:  # type: ignore[no-untyped-def]
+def _run_real(tmp_path, body: str, **env: str) -> None:  # type: ignore[no-untyped-def]
     """Run ``body`` after :data:`_REAL` (a fresh process of one rank, torch's gloo, a guard and
     a group maker as a launch has them, ``crowded``: another thread's descriptors opened while
-    a group is made); it must print OK."""
+    a group is made; ``env`` added to its environment); it must print OK."""
     import subprocess
 
     script = tmp_path / "real.py"
     script.write_text(_REAL + body + '\nprint("OK")\n')
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env={**os.environ, **env}
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -687,5 +689,63 @@ loops = {id(h.group): loop for h, loop in guard._found_loops()}
 assert id(first) not in loops, loops  # the user's loop beside it: not told apart
 ours = gone("second")
 assert not ours.alive(), ours  # it was the second group's own loop
+# after a teardown (the next launch), the user's loop is still known: found again
+guard.release()
+dist.new_group = crowded
+third = maker.new_group(None, "third", local=False)  # a new name: not the destroyed one's
+dist.new_group = real
+assert maker.made[-1].opened.wide
+ours = gone("third")
+assert not ours.alive(), ours
 """,
+    )
+
+
+def test_a_group_with_two_loops_has_both_found_and_the_debug_helpers_freed_numbers_do_not_matter(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    # skeptic, 2026-12-06: under TORCH_DISTRIBUTED_DEBUG=DETAIL torch makes a gloo helper group
+    # beside each group (its collectives' checks run there), and GLOO_SOCKET_IFNAME=lo,lo gives
+    # a group one gloo device, one loop, per interface. Only the first loop in the slots was
+    # taken: when another thread freed numbers between the group's backend and the helper, the
+    # helper's loop came first and the group's own was never reached (abort left its collective
+    # waiting); with two interfaces, half the group's connections were out of reach.
+    _run_real(
+        tmp_path,
+        """
+import torch.distributed.distributed_c10d as c10d
+held_open, made = [], []
+real_wrap = c10d._create_process_group_wrapper
+
+def opening(*args, **kwargs):
+    held_open.extend(os.open(os.devnull, os.O_RDONLY) for _ in range(3))  # another thread's
+    return real(*args, **kwargs)
+
+def wrap(*args, **kwargs):
+    while held_open:
+        os.close(held_open.pop())  # ...closed before the helper group is made
+    made.append(True)
+    return real_wrap(*args, **kwargs)
+
+dist.new_group, c10d._create_process_group_wrapper = opening, wrap
+group = maker.new_group([0], "detail")
+dist.new_group, c10d._create_process_group_wrapper = real, real_wrap
+assert made, "no DETAIL wrapper made"
+loops = [loop for h, loop in guard._found_loops() if h.group is group]
+assert len(loops) == 2 and len({loop.epoll for loop in loops}) == 2, loops
+gone("group")
+assert not any(loop.alive() for loop in loops), loops
+""",
+        TORCH_DISTRIBUTED_DEBUG="DETAIL",
+    )
+    _run_real(
+        tmp_path,
+        """
+group = maker.new_group([0], "two")
+loops = [loop for h, loop in guard._found_loops() if h.group is group]
+assert len(loops) == 2 and len({loop.epoll for loop in loops}) == 2, loops
+gone("group")
+assert not any(loop.alive() for loop in loops), loops
+""",
+        GLOO_SOCKET_IFNAME="lo,lo",
     )

@@ -59,7 +59,10 @@ class Guard:
         # connections when the main thread, its collective ended, destroys the groups).
         self._lock = threading.RLock()
         self._held: dict[int, Held] = {}
-        self._loops: dict[int, GlooLoop | None] = {}  # a held group's loop, once looked for
+        self._loops: dict[int, tuple[GlooLoop, ...]] = {}  # a held group's loops, once looked for
+        # Listener inodes of every loop seen in a held group's note, kept for the process's life:
+        # each was alive before any group made after it, so it is never a later group's
+        self._seen: set[int] = set()
         self._handlers: list[Callable[[HangReport], Any]] = []
         self._watch: HangWatch | None = None
         # What else an abort ends: the launch's own store connection while a launch waits
@@ -89,33 +92,27 @@ class Guard:
         return held
 
     def _found_loops(self) -> list[tuple[Held, GlooLoop]]:
-        """Every held group with its gloo loop, looking for the loops not looked for yet among
-        the descriptors their creation opened, in the order the groups were made (a loop found
-        for an earlier group is no later group's). Call with the lock held. Never raises."""
-        known = {loop.listener_inode for loop in self._loops.values() if loop is not None}
-        found = []
+        """Every held group with each of its gloo loops, looking for the loops of the groups not
+        looked at yet among the descriptors their creation opened, in the order the groups were
+        made (a loop seen in an earlier group's note is no later group's). Call with the lock
+        held. Never raises."""
+        found: list[tuple[Held, GlooLoop]] = []
         for key, held in self._held.items():
             if held.opened is None:
                 continue
             if key not in self._loops:
-                candidates = held.opened.loops(known)
-                loop = held.opened.pick(candidates)
-                # every loop alive when this group was noted is older than any later group's
-                # (a DEBUG=DETAIL wrapper's, another thread's, a user's): never a later one's
-                known.update(candidate.listener_inode for candidate in candidates)
-                self._loops[key] = loop
-                if loop is None:
+                candidates = held.opened.loops(self._seen)
+                loops = held.opened.pick(candidates)
+                self._seen.update(candidate.listener_inode for candidate in candidates)
+                self._loops[key] = loops
+                if not loops:
                     logger.warning(
                         "parallelctx: the gloo event loop of group %s was not found among the "
                         "descriptors it opened; gpc.abort() cannot shut down its connections (its "
                         "collectives end at the group's timeout instead)",
                         getattr(held.group, "group_name", "?"),
                     )
-                else:
-                    known.add(loop.listener_inode)
-            loop = self._loops[key]
-            if loop is not None:
-                found.append((held, loop))
+            found.extend((held, loop) for loop in self._loops[key])
         return found
 
     def release(self, groups: Iterable[Any] | None = None) -> None:

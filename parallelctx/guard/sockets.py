@@ -34,7 +34,17 @@ import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["SLOTS", "Endpoint", "FdSlots", "GlooLoop", "Opened", "endpoint_of", "shut_down_fd", "socket_at"]
+__all__ = [
+    "SLOTS",
+    "Endpoint",
+    "FdSlots",
+    "GlooLoop",
+    "Opened",
+    "endpoint_of",
+    "loops_per_group",
+    "shut_down_fd",
+    "socket_at",
+]
 
 Endpoint = tuple[str, int]
 """A TCP endpoint as /proc/net/tcp[6] writes it: (address in hex, port)."""
@@ -43,7 +53,20 @@ SLOTS = 10
 """Free descriptor numbers read before each group is made: gloo opens its loop's pipe, epoll and
 listener first (4 descriptors), so up to 6 opened meanwhile by other threads still leave them
 among the slots (reading a slot costs a ``dup``); past that, every descriptor of the process
-is noted (:meth:`FdSlots.opened`)."""
+is noted (:meth:`FdSlots.opened`). A group with several loops gets 4 more slots for each
+(:func:`loops_per_group`)."""
+
+
+def loops_per_group() -> int:
+    """Return how many gloo event loops a gloo group's creation opens in this process: one per
+    device, and gloo makes a device per interface named in ``GLOO_SOCKET_IFNAME`` (``eth0,eth1``:
+    torch spreads a group's collectives over them); twice that with
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, where torch makes a gloo helper group beside each group
+    (its collectives' checks run there). Never raises."""
+    names = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name.strip()]
+    detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+    return max(1, len(names)) * (2 if detail else 1)
+
 
 _EPOLL = "anon_inode:[eventpoll]"
 _NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)  # Linux, where /proc is read
@@ -331,12 +354,15 @@ class FdSlots:
     numbers: tuple[int, ...]
 
     @classmethod
-    def reserve(cls, count: int = SLOTS) -> FdSlots:
-        """Read the ``count`` lowest free descriptor numbers (each taken and given back at once).
+    def reserve(cls, count: int | None = None) -> FdSlots:
+        """Read the ``count`` lowest free descriptor numbers (each taken and given back at once;
+        None: :data:`SLOTS` and 4 more for each further loop of :func:`loops_per_group`).
 
         Returns:
             The slots; empty where ``/dev/null`` cannot be opened. Never raises.
         """
+        if count is None:
+            count = SLOTS + 4 * (loops_per_group() - 1)
         taken: list[int] = []
         try:
             taken.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
@@ -375,18 +401,21 @@ class FdSlots:
                 continue
             found.append((fd, info.st_ino))
             modes[(fd, info.st_ino)] = info
-        if _holds_a_loop(modes):
-            return Opened(tuple(found))
+        if _whole_loops(modes) >= loops_per_group():
+            return Opened(
+                tuple(found), epolls=tuple(fd for (fd, _), info in modes.items() if _anonymous(info))
+            )
         return Opened.everything()
 
 
-def _holds_a_loop(noted: Mapping[tuple[int, int], os.stat_result]) -> bool:
-    """Whether ``noted`` ((descriptor, inode) to its ``fstat``) holds a whole gloo-like loop: an
-    epoll among them registering a pipe and a listening socket also among them (a connection
-    in the slots with the listener past them is not enough). Cheaper than :meth:`GlooLoop.at`,
-    which decides later whose loop it is: one read of each noted epoll's registrations and a
-    ``getsockopt`` on the descriptor itself (a number reused in between only sends the group
-    to the wide note, or back to the slots' own look)."""
+def _whole_loops(noted: Mapping[tuple[int, int], os.stat_result]) -> int:
+    """Return how many whole gloo-like loops ``noted`` ((descriptor, inode) to its ``fstat``)
+    holds: epolls among them, each registering a pipe and a listening socket also among them (a
+    connection in the slots with the listener past them is not enough), with none of the marks
+    of another library's loop. Cheaper than :meth:`GlooLoop.at`, which decides later: one read
+    of each noted epoll's registrations and a ``getsockopt`` on the descriptor itself (a number
+    reused in between only sends the group to the wide note, or back to the slots' own look)."""
+    whole = 0
     for (fd, _), info in noted.items():
         if not _anonymous(info):
             continue
@@ -399,8 +428,8 @@ def _holds_a_loop(noted: Mapping[tuple[int, int], os.stat_result]) -> bool:
         if any(stat.S_ISFIFO(noted[pair].st_mode) for pair in registered) and any(
             stat.S_ISSOCK(noted[pair].st_mode) and _listening(pair[0]) for pair in registered
         ):
-            return True
-    return False
+            whole += 1
+    return whole
 
 
 def _listening(fd: int) -> bool:
@@ -421,6 +450,9 @@ class Opened:
     descriptors: tuple[tuple[int, int], ...]
     #: Every descriptor of the process was noted (:meth:`everything`), not only the slots.
     wide: bool = False
+    #: The noted descriptors that were anonymous (an epoll among them), the only ones looked at
+    #: as loops; None: every noted descriptor.
+    epolls: tuple[int, ...] | None = None
 
     @classmethod
     def everything(cls) -> Opened:
@@ -435,34 +467,35 @@ class Opened:
             names = os.listdir("/proc/self/fd")
         except OSError:
             return cls((), wide=True)
-        found = []
+        found, epolls = [], []
         for name in names:
             with contextlib.suppress(OSError, ValueError):
                 info = os.fstat(int(name))
                 if _anonymous(info) or stat.S_ISFIFO(info.st_mode) or stat.S_ISSOCK(info.st_mode):
                     found.append((int(name), info.st_ino))
-        return cls(tuple(sorted(found)), wide=True)
+                if _anonymous(info):
+                    epolls.append(int(name))
+        return cls(tuple(sorted(found)), wide=True, epolls=tuple(sorted(epolls)))
 
     def gloo_loop(self, known: Collection[int] = ()) -> GlooLoop | None:
-        """Return the gloo loop among the noted descriptors (see :meth:`GlooLoop.at`; ``known``:
-        listener inodes of loops found before), or None. A noted number may hold another file
-        now, and every anonymous descriptor (epoll, eventfd) has the same inode, so a loop is
-        taken only when its wake-up pipe and its listener are noted descriptors still holding
-        the file they held (pipes and sockets have inodes of their own).
+        """Return the group's first gloo loop among the noted descriptors (see :meth:`pick`;
+        ``known``: listener inodes of loops found before), or None. Never raises."""
+        picked = self.pick(self.loops(known))
+        return picked[0] if picked else None
 
-        A :attr:`wide` note holds every loop alive when it was taken: the group's own, made
-        just before, and any older one not in ``known`` (a user's gloo group, another thread's
-        loop). It gives a loop only when exactly one is there; with two, taking either could
-        shut another group's connections down at abort, which is worse than none. Never raises."""
-        return self.pick(self.loops(known))
+    def pick(self, loops: list[GlooLoop]) -> tuple[GlooLoop, ...]:
+        """Return the group's loops among ``loops`` (:meth:`loops` of this note).
 
-    def pick(self, loops: list[GlooLoop]) -> GlooLoop | None:
-        """Return the group's loop among ``loops`` (:meth:`loops` of this note): the first of
-        the slots' (a DEBUG=DETAIL wrapper's own gloo group comes after the group's), the one
-        of a :attr:`wide` note when it is alone, else None. Never raises."""
-        if not self.wide:
-            return loops[0] if loops else None
-        return loops[0] if len(loops) == 1 else None
+        A note of the slots holds only what was opened while the group was made: every loop in
+        it is the group's (one per gloo device, and a ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+        helper group's, made with it; :func:`loops_per_group`), and all of them are taken. A
+        :attr:`wide` note holds every loop alive when it was taken: the group's own and any
+        older one not in ``known`` (a user's gloo group, a default group the user made); it
+        gives a loop only when exactly one is there, since taking the wrong one would shut
+        another group's connections down at abort, which is worse than none. Never raises."""
+        if not self.wide or len(loops) == 1:
+            return tuple(loops)
+        return ()
 
     def loops(self, known: Collection[int] = ()) -> list[GlooLoop]:
         """Return every gloo loop among the noted descriptors whose listener is not in
@@ -472,7 +505,10 @@ class Opened:
         Never raises."""
         noted = frozenset(self.descriptors)
         found: dict[int, GlooLoop] = {}
+        looked = set(self.epolls) if self.epolls is not None else None
         for fd, inode in self.descriptors:
+            if looked is not None and fd not in looked:
+                continue
             try:
                 if os.fstat(fd).st_ino != inode:
                     continue  # closed and reused since: not the group's any more
