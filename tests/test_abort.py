@@ -434,6 +434,13 @@ def _past_the_slots(slots: object, others: list[int]) -> list[int]:
     return others
 
 
+def _finds(opened: object, known: set[int], epoll: int, listener: int) -> None:
+    """Assert that ``opened`` (a note) gives the loop of ``epoll`` and ``listener`` (descriptor
+    numbers) as the group's, ``known`` (the loops alive before) left out."""
+    found = opened.gloo_loop(known)  # type: ignore[attr-defined]
+    assert found is not None and (found.epoll, found.listener_fd) == (epoll, listener), found
+
+
 def _close(*loops: tuple[object, int, int, socket.socket]) -> None:
     for epoll, wake_r, wake_w, listener in loops:
         epoll.close()  # type: ignore[attr-defined]
@@ -467,8 +474,7 @@ def test_a_loop_pushed_past_the_slots_is_found_when_it_is_the_only_new_loop(move
     opened = slots.opened()
     try:
         assert opened.wide
-        found = opened.gloo_loop(known)
-        assert found is not None and (found.epoll, found.listener_fd) == (ours[0].fileno(), ours[3].fileno())  # type: ignore[attr-defined]
+        _finds(opened, known, ours[0].fileno(), ours[3].fileno())  # type: ignore[attr-defined]
     finally:
         _close(ours)
         for fd in others:
@@ -525,8 +531,7 @@ def test_a_loop_with_a_connection_in_the_slots_and_its_listener_past_them_is_fou
     try:
         assert peer.fileno() in slots.numbers and listener.fileno() > max(slots.numbers)
         assert opened.wide
-        found = opened.gloo_loop(known)
-        assert found is not None and (found.epoll, found.listener_fd) == (epoll.fileno(), listener.fileno())
+        _finds(opened, known, epoll.fileno(), listener.fileno())
     finally:
         epoll.close()
         for sock in (peer, far, listener, served):
@@ -560,8 +565,7 @@ def test_another_librarys_loop_with_a_pipe_and_a_listener_is_never_taken(pushed:
     opened = slots.opened()
     try:
         assert opened.wide == pushed
-        found = opened.gloo_loop(known)
-        assert found is not None and (found.epoll, found.listener_fd) == (ours[0].fileno(), ours[3].fileno())  # type: ignore[attr-defined]
+        _finds(opened, known, ours[0].fileno(), ours[3].fileno())  # type: ignore[attr-defined]
     finally:
         _close(ours)
         selector.close()
@@ -593,8 +597,7 @@ def test_a_tcpstore_servers_loop_is_never_taken_for_a_groups(store_in_slots: boo
             if os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:[eventpoll]"
         ]
         assert not any(GlooLoop.at(fd, known) and fd != ours[0].fileno() for fd in servers)  # type: ignore[attr-defined]
-        found = opened.gloo_loop(known)
-        assert found is not None and found.listener_fd == ours[3].fileno()
+        _finds(opened, known, ours[0].fileno(), ours[3].fileno())  # type: ignore[attr-defined]
     finally:
         _close(ours)
         del store
